@@ -1,0 +1,28 @@
+# The two commands a new user runs: `make demo` (the main job) and `make test` (the test suite).
+# Each creates .venv from constraints.txt when it is missing: torch is pinned to the CPU build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench validate clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) scripts/bench.py
+
+validate: $(STAMP)
+	$(PY) scripts/validate_graphs.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,62 @@
+"""clika_runtime: capture a PyTorch function into ONNX on its first call, serve it through
+onnxruntime, and ship the graph.
+
+``compile`` and ``CompiledFunction`` need torch and are imported on first use, so that ``load``
+serves shipped graphs on a box with only onnxruntime and numpy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from clika_runtime.config import config
+from clika_runtime.errors import (
+    CaptureError,
+    ClikaError,
+    GraphFileError,
+    GraphInputError,
+    PlaceError,
+    SignatureError,
+    SignatureValueError,
+    StateError,
+    VerificationError,
+)
+from clika_runtime.graph import VERSION as __version__
+from clika_runtime.graph import ModelGraph, load
+from clika_runtime.specs import DynamicAxes, PlaceLike, TensorSpec
+
+if TYPE_CHECKING:
+    from clika_runtime.compiled import CompiledFunction
+    from clika_runtime.entry import compile
+
+__all__ = [
+    "CaptureError",
+    "ClikaError",
+    "CompiledFunction",
+    "DynamicAxes",
+    "GraphFileError",
+    "GraphInputError",
+    "ModelGraph",
+    "PlaceError",
+    "PlaceLike",
+    "SignatureError",
+    "SignatureValueError",
+    "StateError",
+    "TensorSpec",
+    "VerificationError",
+    "compile",
+    "config",
+    "load",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CompiledFunction":
+        from clika_runtime.compiled import CompiledFunction
+
+        return CompiledFunction
+    if name == "compile":
+        from clika_runtime.entry import compile
+
+        return compile
+    raise AttributeError(f"module 'clika_runtime' has no attribute {name!r}")

@@ -1,0 +1,486 @@
+"""``CompiledFunction``: the capture lifecycle. The hit path fits on one screen; misses go to helpers."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Generic, Mapping, ParamSpec, Sequence, TypeVar
+
+import torch
+
+import serving
+from clika_runtime import capture as capture_mod
+from clika_runtime import trees
+from clika_runtime.calls import CallForms
+from clika_runtime.config import config
+from clika_runtime.errors import CaptureError, PlaceError, SignatureError, SignatureValueError, StateError
+from clika_runtime.graph import ModelGraph
+from clika_runtime.guards import describe_key_change, feed_meta, split
+from clika_runtime.specs import DynamicAxes, PlaceLike, TensorSpec
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+logger = logging.getLogger("clika_runtime")
+_flatten = trees.flatten
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
+_NO_LIFT: frozenset[int] = frozenset()
+
+
+class State(enum.Enum):
+    """Where the function is in its capture lifecycle.
+
+    ``Pending``: nothing captured yet. ``Compiled``: a captured graph serves calls whose structure
+    and shapes it matches. ``Fallback``: serving eagerly, and not re-capturing, until ``reset()``.
+    """
+
+    Pending = "pending"
+    Compiled = "compiled"
+    Fallback = "fallback"
+
+
+_COMPILED = State.Compiled
+
+
+class CompiledFunction(Generic[P, R]):
+    """A callable whose first call returns the eager result and records an ONNX graph; later
+    calls with the same structure and fitting shapes run that graph in onnxruntime, without
+    calling Python.
+
+    Tensor leaves of the call's pytree feed the graph; every other leaf is static, baked into the
+    capture and part of its key. A call with a new structure or static value captures again (one
+    capture per key, the least recently used dropped past ``config.cache_size``); a call whose
+    shapes drift from a capture serves eagerly and re-captures with the drifted axes dynamic.
+    Past ``config.recapture_limit`` re-captures, or when a capture fails (the exporter refuses,
+    the graph disagrees with eager, the call mutated an input), the function serves eagerly until
+    ``reset()``, with a warning that says why (``fullgraph=True`` raises instead).
+
+    Every new graph is run on the inputs that produced it and compared with the eager result
+    before it serves anything. Graphs serve inference: outputs never require grad, and a call
+    with grad mode on and an input that requires grad runs eagerly.
+
+    Weights are baked into the graph at capture: after changing a module's weights, call
+    ``reset()``. Why each re-capture happened is in ``recapture_reasons`` and on the
+    ``clika_runtime`` logger.
+
+    Args:
+        target: a function, bound method or ``nn.Module`` (its ``forward`` names the inputs).
+        signature: the tensor leaves, in flattening order, as ``TensorSpec``s: ``None``/str dims are
+            dynamic from the first capture; names become ``input_names``; a call that breaks it
+            raises ``SignatureError`` / ``SignatureValueError``.
+        dynamic: ``None`` static first, drifted axes become dynamic; ``True`` every axis dynamic
+            from the first capture; ``False`` never dynamic (each shape set is its own capture).
+        fullgraph: raise ``CaptureError`` instead of falling back to eager.
+        optimize: ``False`` exports the graph as is and runs it with basic session optimisation.
+        specialize: Python numbers: ``True`` always baked; ``False`` graph inputs from the first
+            capture; ``None`` baked first, lifted to graph inputs when their value changes.
+        place: where graphs run (``"cpu"``, ``"cuda:1"``, a provider name or list); ``None`` picks
+            CUDA for CUDA inputs when onnxruntime has it, else CPU. Unavailable -> ``PlaceError``.
+        dynamic_axes: torch.onnx.export's form, for inputs and outputs: dynamic from the first
+            capture, with those dim names.
+        output_names: graph output names in flattening order (default: from the output pytree).
+        graph_name: the ONNX graph's name (default: the target's name).
+    """
+
+    State = State
+
+    def __init__(
+        self,
+        target: Callable[P, R],
+        /,
+        *,
+        signature: Sequence[TensorSpec] = (),
+        dynamic: bool | None = None,
+        fullgraph: bool = False,
+        optimize: bool | None = None,
+        specialize: bool | None = None,
+        place: PlaceLike = None,
+        dynamic_axes: DynamicAxes | None = None,
+        output_names: Sequence[str] | None = None,
+        graph_name: str | None = None,
+    ) -> None:
+        if not callable(target):
+            raise TypeError(f"compile: expected a callable, got {type(target).__name__}")
+        if dynamic is False and (dynamic_axes or any(_has_dynamic(s) for s in signature)):
+            raise ValueError("dynamic=False cannot be combined with dynamic_axes or dynamic signature dims")
+        for i, spec in enumerate(signature):
+            if not isinstance(spec, TensorSpec):
+                raise TypeError(f"signature[{i}]: expected TensorSpec, got {type(spec).__name__}")
+        self._target = target
+        self._owner = _owner_module(target)
+        self._forms = CallForms(target.forward if isinstance(target, torch.nn.Module) else target)
+        self._signature = tuple(signature)
+        self._dynamic = dynamic
+        self._fullgraph = bool(fullgraph)
+        self._optimize = optimize is not False
+        self._specialize = specialize
+        self._place = _resolve_place(place) if place is not None else None
+        self._dynamic_axes = _normalise_axes(dynamic_axes or {})
+        self._output_names = None if output_names is None else list(output_names)
+        self._graph_name = graph_name or _default_name(target)
+        self._lock = threading.RLock()
+        self.__wrapped__ = target
+        self.__name__ = getattr(target, "__name__", type(target).__name__)
+        self.__doc__ = getattr(target, "__doc__", None)
+        self._warned: set[str] = set()
+        self.reset()
+
+    # ------------------------------------------------------------------------------------ hot path
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._state is _COMPILED:
+            if kwargs:
+                args, kwargs = self._forms(args, kwargs)
+            leaves, spec = _flatten((args, kwargs))
+            feeds, statics = split(leaves, self._lifted.get(spec, _NO_LIFT))
+            owner = self._owner
+            key = (spec, statics, feed_meta(feeds, self._dynamic is False), owner.training if owner else None)
+            try:
+                capture = self._captures.get(key)
+            except TypeError:  # an unhashable static leaf: the miss path explains it
+                capture = None
+            if capture is not None and capture.guard.matches(feeds):
+                if not (_grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in feeds)):
+                    if capture is not self._current:
+                        self._touch(capture)
+                    return capture.run(feeds)
+        return self._miss(args, kwargs)
+
+    # --------------------------------------------------------------------------------- public state
+
+    @property
+    def state(self) -> State:
+        """``State.Pending``, ``State.Compiled`` or ``State.Fallback`` (see ``State``)."""
+        return self._state
+
+    @property
+    def recapture_count(self) -> int:
+        """How many times a changed structure, static value or drifted shapes forced a new capture."""
+        return self._recaptures
+
+    @property
+    def recapture_reasons(self) -> list[str]:
+        """Why each re-capture (and each fall back to eager) happened, in order."""
+        return list(self._reasons)
+
+    @property
+    def input_names(self) -> list[str]:
+        """The graph input names of the current capture, in flattening order."""
+        if self._current is not None:
+            return list(self._current.feed_names)
+        return [s.name for s in self._signature if s.name] if self._signature else []
+
+    def reset(self) -> None:
+        """Drop every capture, the re-capture count and reasons; the next call captures again."""
+        with self._lock:
+            self._captures: OrderedDict[tuple, capture_mod.Capture] = OrderedDict()
+            self._current: capture_mod.Capture | None = None
+            self._last_key: tuple | None = None
+            self._lifted: dict[Any, frozenset[int]] = {}
+            self._recaptures = 0
+            self._reasons: list[str] = []
+            self._pending_output_axes: dict[str, dict[int, str | None]] = {}
+            self._state = State.Pending
+
+    def take_graph(self) -> ModelGraph:
+        """Hand out the current capture's graph (``State.Compiled`` only).
+
+        The function then serves eagerly (``State.Fallback``) until ``reset()``.
+        """
+        with self._lock:
+            if self._state is not _COMPILED or self._current is None:
+                raise StateError(
+                    f"take_graph() needs State.Compiled, but the function is in {self._state}: "
+                    + ("call it once to capture a graph" if self._state is State.Pending else "call reset() and capture again")
+                )
+            graph = ModelGraph(self._current.model_proto)
+            self._fallback("graph taken by take_graph(); serving eagerly until reset()", warn=False)
+            return graph
+
+    def __repr__(self) -> str:
+        return f"<CompiledFunction {self.__name__} {self._state.name}, {len(self._captures)} capture(s)>"
+
+    # ------------------------------------------------------------------------------------ miss path
+
+    def _miss(self, args: tuple, kwargs: dict) -> Any:
+        with self._lock:
+            if self._state is State.Fallback:
+                return self._target(*args, **kwargs)
+            args, kwargs = self._forms(args, kwargs)
+            trees.sync_registry()  # node types registered since the last miss flatten from now on
+            leaves, spec = _flatten((args, kwargs))
+            lifted = self._lifted.get(spec, self._initial_lift(leaves))
+            feeds, statics = split(leaves, lifted)
+            positions = _feed_positions(leaves, lifted)
+            leaf_names = self._leaf_names(args, kwargs, leaves)
+            names = self._feed_names(leaf_names, positions)
+            self._check_signature(feeds, names)
+            if _grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in feeds):
+                return self._target(*args, **kwargs)  # the caller is differentiating: stay eager
+            training = self._owner.training if self._owner else None
+            key = (spec, statics, feed_meta(feeds, self._dynamic is False), training)
+            try:
+                hash(key)
+            except TypeError:
+                return self._unhashable(args, kwargs, leaves)
+            existing = self._captures.get(key)
+            if existing is not None and existing.guard.matches(feeds):  # captured by another thread
+                self._touch(existing)
+                return existing.run(feeds)
+            if existing is not None:
+                drifted, reasons = existing.guard.drift(feeds, existing.feed_names)
+                dynamic = [{**{a: None for a in axes}, **d} for d, axes in zip(existing.dynamic, drifted)]
+            else:
+                lifted, reasons = self._lift_changed_numbers(spec, leaves, lifted, leaf_names)
+                if reasons:  # numbers became graph inputs: they leave the key
+                    feeds, statics = split(leaves, lifted)
+                    positions = _feed_positions(leaves, lifted)
+                    names = self._feed_names(leaf_names, positions)
+                    key = (spec, statics, feed_meta(feeds, self._dynamic is False), training)
+                elif self._last_key is not None:
+                    static_names = [n for i, n in enumerate(leaf_names) if i not in set(positions)]
+                    reasons = [describe_key_change(self._last_key, key, static_names, names)]
+                dynamic = self._initial_dynamic(feeds, names, lifted, positions)
+            if self._last_key is not None:
+                if self._recaptures >= config.recapture_limit:
+                    why = f"re-capture limit ({config.recapture_limit}) reached; last: {'; '.join(reasons)}"
+                    return self._give_up(why, args, kwargs, run_eager=True)
+                self._recaptures += 1
+                self._record(reasons)
+            return self._capture(args, kwargs, leaves, spec, positions, names, dynamic, key, lifted)
+
+    def _capture(self, args, kwargs, leaves, spec, positions, names, dynamic, key, lifted) -> Any:
+        feeds = [leaves[p] for p in positions]
+        versions = [t._version if isinstance(t, _Tensor) else None for t in feeds]
+        out = self._target(*args, **kwargs)  # the target's own exceptions reach the caller unchanged
+        mutated = [n for n, t, v in zip(names, feeds, versions) if isinstance(t, _Tensor) and t._version != v]
+        if mutated:
+            why = f"input mutation: the call modified input(s) {mutated} in place, which a graph cannot reproduce"
+            return self._give_up(why, args, kwargs, result=out)
+        request = capture_mod.CaptureRequest(
+            target=self._target, owner=self._owner, args=args, kwargs=kwargs, leaves=leaves, spec=spec,
+            feed_positions=positions, feed_names=names, dynamic=dynamic, eager_out=out,
+            graph_name=self._graph_name, output_names=self._output_names, optimize=self._optimize,
+            place=self._place_for(feeds), key=key, lifted=lifted, parameters=self._forms.positional,
+        )
+        try:
+            self._check_output_axes(out)
+            with torch.inference_mode(False), torch.no_grad():
+                capture = capture_mod.build(request)
+        except CaptureError as e:
+            return self._give_up(f"capture failed: {e}", args, kwargs, result=out, cause=e)
+        self._lifted[spec] = lifted
+        self._captures[key] = capture
+        self._touch(capture)
+        while len(self._captures) > max(1, config.cache_size):
+            self._captures.popitem(last=False)
+        self._last_key = key
+        self._state = _COMPILED
+        return out
+
+    def _touch(self, capture: capture_mod.Capture) -> None:
+        self._current = capture
+        try:
+            self._captures.move_to_end(capture.key)
+        except KeyError:  # evicted meanwhile by another thread's capture
+            pass
+
+    def _record(self, reasons: Sequence[str]) -> None:
+        for reason in reasons:
+            logger.info("re-capture of %s: %s", self.__name__, reason)
+            self._reasons.append(reason)
+
+    def _give_up(self, why: str, args: tuple, kwargs: dict, *, result: Any = None, run_eager: bool = False,
+                 cause: Exception | None = None) -> Any:
+        """Fallback to eager with a warning that says why; ``fullgraph=True`` raises instead."""
+        if self._fullgraph:
+            raise CaptureError(f"{self.__name__}: {why}") from cause
+        self._fallback(why)
+        return self._target(*args, **kwargs) if run_eager else result
+
+    def _fallback(self, why: str, warn: bool = True) -> None:
+        self._state = State.Fallback
+        self._reasons.append(f"fallback: {why}")
+        logger.log(logging.WARNING if warn else logging.INFO, "%s serves eagerly until reset(): %s", self.__name__, why)
+        if warn:
+            warnings.warn(f"clika_runtime: {self.__name__} serves eagerly until reset(): {why}", stacklevel=4)
+
+    def _unhashable(self, args: tuple, kwargs: dict, leaves: list[Any]) -> Any:
+        bad = [type(v).__name__ for v in leaves if not isinstance(v, _Tensor) and not _hashable(v)]
+        why = f"static input leaf of unhashable type {bad[0] if bad else '?'} cannot key a capture"
+        if self._fullgraph:
+            raise CaptureError(f"{self.__name__}: {why}; pass it as a tensor or a hashable value")
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(f"clika_runtime: {self.__name__}: {why}; serving this call eagerly", stacklevel=3)
+        return self._target(*args, **kwargs)
+
+    # ----------------------------------------------------------------------------- capture planning
+
+    def _leaf_names(self, args: tuple, kwargs: dict, leaves: list[Any]) -> list[str]:
+        """A name per leaf from the parameter name and pytree path (``x``, ``batch_input_ids``)."""
+        names = []
+        for path in trees.leaf_paths((args, kwargs), leaves):
+            head = self._forms.argument_name(int(path[1])) if path[0] == "0" else path[1]
+            names.append(trees.identifier((head, *path[2:]), "input"))
+        return names
+
+    def _feed_names(self, leaf_names: list[str], positions: list[int]) -> list[str]:
+        names = [leaf_names[p] for p in positions]
+        declared = [s.name for s in self._signature]
+        if len(declared) == len(names):
+            names = [d or n for d, n in zip(declared, names)]
+        return trees.unique(names)
+
+    def _check_signature(self, feeds: list[Any], names: list[str]) -> None:
+        if not self._signature:
+            return
+        tensors = [(n, t) for n, t in zip(names, feeds) if isinstance(t, _Tensor)]
+        if len(tensors) != len(self._signature):
+            raise SignatureError(
+                f"signature declares {len(self._signature)} tensor inputs, the call has {len(tensors)}: "
+                f"{[n for n, _ in tensors]}"
+            )
+        sizes: dict[str, tuple[str, int, int]] = {}
+        for (name, t), spec in zip(tensors, self._signature):
+            if spec.dtype is not None and t.dtype != spec.dtype:
+                raise SignatureError(f"input '{name}': expected dtype {spec.dtype}, got {t.dtype}")
+            if t.dim() != len(spec.shape):
+                raise SignatureError(
+                    f"input '{name}': expected rank {len(spec.shape)} {list(spec.shape)}, got shape {tuple(t.shape)}"
+                )
+            for axis, (want, got) in enumerate(zip(spec.shape, t.shape)):
+                if isinstance(want, int) and want != got:
+                    raise SignatureValueError(
+                        f"input '{name}' axis {axis}: expected size {want} {list(spec.shape)}, got {got}"
+                    )
+                if isinstance(want, str):
+                    first = sizes.setdefault(want, (name, axis, got))
+                    if first[2] != got:
+                        raise SignatureValueError(
+                            f"input '{name}' axis {axis}: dim '{want}' is {got}, but input '{first[0]}' "
+                            f"axis {first[1]} gave it {first[2]}"
+                        )
+
+    def _initial_dynamic(
+        self, feeds: list[Any], names: list[str], lifted: frozenset[int], positions: list[int]
+    ) -> list[dict[int, str | None]]:
+        """Dynamic axes of a new key's first capture, with declared dim names."""
+        previous = dict(zip(self._current.feed_names, self._current.dynamic)) if self._current else {}
+        dynamic = []
+        signature = self._signature if len(self._signature) == sum(isinstance(t, _Tensor) for t in feeds) else ()
+        specs = iter(signature)
+        for name, value, pos in zip(names, feeds, positions):
+            if not isinstance(value, _Tensor):
+                dynamic.append({0: None} if pos in lifted else {})
+                continue
+            axes: dict[int, str | None] = {}
+            if self._dynamic is True:
+                axes = {a: None for a in range(value.dim())}
+            elif self._dynamic is None:  # keep what earlier drift taught about this input
+                axes = {a: n for a, n in previous.get(name, {}).items() if a < value.dim()}
+            spec = next(specs, None)
+            if spec is not None:
+                axes.update({a: (d if isinstance(d, str) else None) for a, d in enumerate(spec.shape) if not isinstance(d, int)})
+            axes.update(self._dynamic_axes.get(name, {}))
+            dynamic.append(axes)
+        unknown = set(self._dynamic_axes) - set(names)
+        self._pending_output_axes = {n: self._dynamic_axes[n] for n in unknown}
+        return dynamic
+
+    def _check_output_axes(self, out: Any) -> None:
+        """dynamic_axes names that are neither inputs nor outputs are an error listing both."""
+        if not self._pending_output_axes:
+            return
+        leaves = _flatten(out)[0]
+        outputs = self._output_names or trees.output_names(out, leaves)
+        unknown = sorted(set(self._pending_output_axes) - set(outputs))
+        if unknown:
+            inputs = [n for n in self._current.feed_names] if self._current else []
+            raise CaptureError(
+                f"dynamic_axes names {unknown} match no input or output; inputs: {inputs or 'see input_names'}, "
+                f"outputs: {list(outputs)}"
+            )
+
+    def _initial_lift(self, leaves: list[Any]) -> frozenset[int]:
+        if self._specialize is False:
+            return frozenset(i for i, v in enumerate(leaves) if type(v) is int)
+        return _NO_LIFT
+
+    def _lift_changed_numbers(
+        self, spec: Any, leaves: list[Any], lifted: frozenset[int], leaf_names: list[str]
+    ) -> tuple[frozenset[int], list[str]]:
+        """``specialize=None``: an int whose value changed since the last capture becomes a graph input."""
+        if self._specialize is not None or self._last_key is None or self._last_key[0] != spec:
+            return lifted, []
+        last_statics = self._last_key[1]
+        static_positions = [i for i, v in enumerate(leaves) if not isinstance(v, _Tensor) and i not in lifted]
+        changed = []
+        for i, old in zip(static_positions, last_statics):
+            value = leaves[i]
+            if type(value) is int and isinstance(old, tuple) and old[0] is int and old[1] != value:
+                changed.append((i, old[1], value))
+        if not changed:
+            return lifted, []
+        reasons = [f"static value changed: '{leaf_names[i]}' {a} -> {b}; it becomes a graph input" for i, a, b in changed]
+        return lifted | {i for i, _, _ in changed}, reasons
+
+    def _place_for(self, feeds: list[Any]) -> serving.Place:
+        if self._place is not None:
+            place = self._place
+        else:
+            cuda = next((t.device for t in feeds if isinstance(t, _Tensor) and t.device.type == "cuda"), None)
+            place = _resolve_place(str(cuda) if cuda is not None and serving.cuda_available() else "cpu")
+        return serving.with_torch_stream(place)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+def _feed_positions(leaves: list[Any], lifted: frozenset[int]) -> list[int]:
+    return [i for i, v in enumerate(leaves) if isinstance(v, _Tensor) or i in lifted]
+
+
+def _has_dynamic(spec: TensorSpec) -> bool:
+    return any(not isinstance(d, int) for d in spec.shape)
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+        return True
+    except TypeError:
+        return False
+
+
+def _owner_module(target: Any) -> torch.nn.Module | None:
+    if isinstance(target, torch.nn.Module):
+        return target
+    owner = getattr(target, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+def _default_name(target: Any) -> str:
+    if isinstance(target, torch.nn.Module):
+        return type(target).__name__
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+
+
+def _resolve_place(place: PlaceLike) -> serving.Place:
+    try:
+        return serving.resolve(place)
+    except ValueError as e:
+        raise PlaceError(str(e)) from e
+
+
+def _normalise_axes(axes: DynamicAxes) -> dict[str, dict[int, str | None]]:
+    out: dict[str, dict[int, str | None]] = {}
+    for name, spec in axes.items():
+        if isinstance(spec, Mapping):
+            out[name] = {int(a): (str(n) if n else None) for a, n in spec.items()}
+        else:
+            out[name] = {int(a): None for a in spec}
+    return out

@@ -1,0 +1,38 @@
+"""Process-wide limits. Change them by assignment: ``clika_runtime.config.cache_size = 16``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _default_tolerances() -> dict[str, tuple[float, float]]:
+    # (rtol, atol) by dtype name. Graph and eager kernels differ in summation order and fusion,
+    # so low-precision types get looser bounds; integer and bool outputs must match exactly.
+    return {
+        "float64": (1e-7, 1e-7),
+        "float32": (1e-4, 1e-5),
+        "float16": (1e-2, 1e-3),
+        "bfloat16": (5e-2, 1e-2),
+    }
+
+
+@dataclass
+class Config:
+    """The few process-wide limits of clika_runtime.
+
+    Attributes:
+        cache_size: captures kept per compiled function (least recently used dropped past it).
+        recapture_limit: re-captures allowed before the function serves eagerly until ``reset()``.
+        tolerances: ``{dtype name: (rtol, atol)}`` used when a new graph is verified against eager.
+    """
+
+    cache_size: int = 8
+    recapture_limit: int = 8
+    tolerances: dict[str, tuple[float, float]] = field(default_factory=_default_tolerances)
+
+    def tolerance(self, dtype_name: str) -> tuple[float, float]:
+        """``(rtol, atol)`` for a dtype name; exact (0, 0) for integer and bool types."""
+        return self.tolerances.get(dtype_name, (0.0, 0.0))
+
+
+config = Config()

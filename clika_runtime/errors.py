@@ -1,0 +1,39 @@
+"""Every error clika_runtime raises. Messages name the input path, say expected vs got, and the fix."""
+
+from __future__ import annotations
+
+
+class ClikaError(Exception):
+    """Base of every error raised by clika_runtime."""
+
+
+class CaptureError(ClikaError):
+    """A call could not be served from one verified graph (raised with ``fullgraph=True``)."""
+
+
+class VerificationError(CaptureError):
+    """A freshly captured graph disagreed with the eager result of the call that made it."""
+
+
+class PlaceError(ClikaError, ValueError):
+    """The requested place (device / onnxruntime provider) cannot be given."""
+
+
+class StateError(ClikaError, RuntimeError):
+    """An operation was asked for in a lifecycle state that does not allow it."""
+
+
+class SignatureError(ClikaError, TypeError):
+    """A call broke the declared signature: leaf count, rank or dtype."""
+
+
+class SignatureValueError(ClikaError, ValueError):
+    """A call broke the declared signature: a static size, or sizes declared equal."""
+
+
+class GraphInputError(ClikaError, ValueError):
+    """Inputs given to a loaded graph do not fit its declared inputs."""
+
+
+class GraphFileError(ClikaError, ValueError):
+    """A graph file is missing, truncated, corrupt, or lacks its external data."""

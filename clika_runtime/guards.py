@@ -1,0 +1,156 @@
+"""The cache key and the shape guard: plain tuples compared with ``==``, computed in one place.
+
+Key: (input structure, static leaf values, each fed leaf's dtype/rank/device[, shapes], training).
+Guard: a capture's static sizes, the axes its graph requires equal, and the size ranges it assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+_NAN = ("nan",)  # NaN != NaN would make every call with a NaN static leaf miss
+
+
+def split(leaves: Sequence[Any], lifted: frozenset[int]) -> tuple[list[Any], tuple[Any, ...]]:
+    """Leaves fed to the graph (tensors, lifted numbers) and the static part of the key."""
+    feeds = []
+    statics = []
+    for i, leaf in enumerate(leaves):
+        kind = type(leaf)
+        if isinstance(leaf, torch.Tensor):
+            feeds.append(leaf)
+        elif i in lifted:
+            feeds.append(leaf)
+            statics.append(kind)
+        else:
+            # type joins the value: 1, 1.0 and True hash alike but must not share a capture
+            statics.append((kind, leaf) if kind is not float or leaf == leaf else (kind, _NAN))
+    return feeds, tuple(statics)
+
+
+def feed_meta(feeds: Sequence[Any], with_shapes: bool) -> tuple[Any, ...]:
+    """What of each fed leaf joins the key: dtype, rank, device (and shape when dynamic=False)."""
+    if with_shapes:
+        return tuple((t.dtype, t.dim(), t.device, t.shape) if isinstance(t, torch.Tensor) else type(t) for t in feeds)
+    return tuple((t.dtype, t.dim(), t.device) if isinstance(t, torch.Tensor) else type(t) for t in feeds)
+
+
+@dataclass(frozen=True)
+class ShapeGuard:
+    """What a captured graph assumes of its input shapes.
+
+    ``dims[i]`` is input i's dims: int (static) or a dim name (dynamic; one name = one size).
+    ``ranges`` holds the sizes the exporter assumed for a dim name, where that is not [0, inf).
+    """
+
+    dims: tuple[tuple[int | str | None, ...] | None, ...]
+    ranges: tuple[tuple[str, int, int | None], ...] = ()
+
+    def __post_init__(self) -> None:
+        statics, exact, positions = [], [], {}
+        for i, dims in enumerate(self.dims):
+            if dims is None:  # a lifted number: no shape
+                continue
+            if all(isinstance(d, int) for d in dims):
+                exact.append((i, torch.Size(dims)))
+                continue
+            for axis, d in enumerate(dims):
+                if isinstance(d, int):
+                    statics.append((i, axis, d))
+                elif d is not None:
+                    positions.setdefault(d, []).append((i, axis))
+        object.__setattr__(self, "_exact", tuple(exact))
+        object.__setattr__(self, "_statics", tuple(statics))
+        object.__setattr__(self, "_groups", tuple(tuple(p) for p in positions.values() if len(p) > 1))
+        bounds = {name: (lo, hi) for name, lo, hi in self.ranges}
+        object.__setattr__(
+            self, "_bounds", tuple((positions[n][0], lo, hi) for n, (lo, hi) in bounds.items() if n in positions)
+        )
+
+    def matches(self, feeds: Sequence[Any]) -> bool:
+        """True when the graph may serve these inputs."""
+        for i, shape in self._exact:
+            if feeds[i].shape != shape:
+                return False
+        for i, axis, size in self._statics:
+            if feeds[i].shape[axis] != size:
+                return False
+        for group in self._groups:
+            (i, a), *rest = group
+            size = feeds[i].shape[a]
+            for j, b in rest:
+                if feeds[j].shape[b] != size:
+                    return False
+        for (i, a), lo, hi in self._bounds:
+            size = feeds[i].shape[a]
+            if size < lo or (hi is not None and size > hi):
+                return False
+        return True
+
+    def drift(self, feeds: Sequence[Any], names: Sequence[str]) -> tuple[list[set[int]], list[str]]:
+        """Axes that must become dynamic for these inputs, and the reasons in words."""
+        axes: list[set[int]] = [set() for _ in feeds]
+        reasons = []
+        for i, dims in enumerate(self.dims):
+            if dims is None:
+                continue
+            for axis, d in enumerate(dims):
+                size = feeds[i].shape[axis]
+                if isinstance(d, int) and size != d:
+                    axes[i].add(axis)
+                    reasons.append(f"shape drift: input '{names[i]}' axis {axis}: {d} -> {size}")
+        for group in self._groups:
+            (i, a), *rest = group
+            for j, b in rest:
+                if feeds[j].shape[b] != feeds[i].shape[a]:
+                    reasons.append(
+                        f"shape drift: input '{names[i]}' axis {a} ({feeds[i].shape[a]}) and input '{names[j]}' "
+                        f"axis {b} ({feeds[j].shape[b]}) differ, the graph assumed them equal"
+                    )
+        for (i, a), lo, hi in self._bounds:
+            size = feeds[i].shape[a]
+            if size < lo or (hi is not None and size > hi):
+                reasons.append(
+                    f"shape drift: input '{names[i]}' axis {a} size {size} outside the graph's range [{lo}, {hi or 'inf'}]"
+                )
+        return axes, reasons
+
+
+def describe_key_change(old: tuple, new: tuple, static_names: Sequence[str], feed_names: Sequence[str]) -> str:
+    """Why ``new`` missed the cache, in words, by diffing it against the closest previous key."""
+    old_spec, old_statics, old_meta, old_training = old
+    new_spec, new_statics, new_meta, new_training = new
+    if old_spec != new_spec:
+        return f"new structure: {_short(old_spec)} -> {_short(new_spec)}"
+    if old_training != new_training:
+        return f"module training flag changed: {old_training} -> {new_training}"
+    for name, a, b in zip(static_names, old_statics, new_statics):
+        if a != b:
+            return f"static value changed: '{name}' {_value(a)} -> {_value(b)}"
+    for name, a, b in zip(feed_names, old_meta, new_meta):
+        if a != b:
+            return f"input '{name}' changed: {_meta(a)} -> {_meta(b)}"
+    return "new key"
+
+
+def _short(spec: Any) -> str:
+    text = str(spec).replace(", NoneIsLeaf", "").replace(", namespace='clika_runtime'", "")
+    return text if len(text) < 120 else text[:117] + "..."
+
+
+def _value(static: Any) -> str:
+    if isinstance(static, tuple) and len(static) == 2:
+        kind, value = static
+        return f"{value!r}" if value is not _NAN else "nan"
+    return f"<{getattr(static, '__name__', static)} graph input>"
+
+
+def _meta(meta: Any) -> str:
+    if isinstance(meta, tuple):
+        dtype, rank, device, *shape = meta
+        text = f"{str(dtype).replace('torch.', '')} rank {rank} on {device}"
+        return text + (f" shape {tuple(shape[0])}" if shape else "")
+    return f"{getattr(meta, '__name__', meta)}"

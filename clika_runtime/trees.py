@@ -1,0 +1,218 @@
+"""Pytrees: fast flattening, torch's registry mirrored, leaf names, and a torch-free description.
+
+The hot path flattens with optree (C++) in a namespace of our own where dicts keep insertion order,
+as torch's pytree does. Node types registered with ``torch.utils._pytree`` (HuggingFace's
+``ModelOutput``, registered dataclasses...) are mirrored into that namespace on a miss, so the
+registry users already know is the one we follow.
+"""
+
+from __future__ import annotations
+
+import importlib
+import keyword
+import re
+from collections import OrderedDict, defaultdict, deque
+from typing import Any, Iterator, Sequence
+
+import optree
+
+NAMESPACE = "clika_runtime"
+optree._C.set_dict_insertion_ordered(True, NAMESPACE)
+
+_NATIVE = (tuple, list, dict, OrderedDict, defaultdict, deque, type(None))
+_mirrored: set[type] = set()
+
+
+def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Leaves (None is a leaf) and the structure."""
+    return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def sync_registry() -> bool:
+    """Mirror node types newly registered with torch's pytree; True when any was added."""
+    try:
+        from torch.utils import _pytree
+    except ImportError:  # torch-free serving: only builtin containers
+        return False
+    added = False
+    for cls, node in list(_pytree.SUPPORTED_NODES.items()):
+        if not isinstance(cls, type) or cls in _mirrored or cls in _NATIVE or optree.is_structseq_class(cls):
+            continue
+        _mirrored.add(cls)
+        flatten_fn, unflatten_fn = node.flatten_fn, node.unflatten_fn
+        optree.register_pytree_node(
+            cls,
+            flatten_fn,
+            lambda context, children, _unflatten=unflatten_fn: _unflatten(children, context),
+            namespace=NAMESPACE,
+        )
+        added = True
+    return added
+
+
+# ---------------------------------------------------------------------------------------------- names
+
+_NOT_IDENT = re.compile(r"\W+")
+
+
+def _key_text(entry: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def leaf_paths(tree: Any, leaves: Sequence[Any]) -> list[tuple[str, ...]]:
+    """Each leaf's path as text parts: torch's key paths where they agree with our leaves, else optree's."""
+    try:
+        from torch.utils import _pytree
+
+        pairs = _pytree.tree_flatten_with_path(tree)[0]
+        if len(pairs) == len(leaves) and all(v is leaf for (_, v), leaf in zip(pairs, leaves)):
+            return [tuple(_key_text(k) for k in path) for path, _ in pairs]
+    except Exception:  # a node type without key paths: fall back to optree's entries
+        pass
+    paths = optree.tree_paths(tree, none_is_leaf=True, namespace=NAMESPACE)
+    return [tuple(str(p) for p in path) for path in paths]
+
+
+def identifier(parts: Sequence[str], empty: str) -> str:
+    """A valid identifier from path parts (``('batch', 'input_ids')`` -> ``batch_input_ids``)."""
+    text = "_".join(p for p in (_NOT_IDENT.sub("_", part).strip("_") for part in parts) if p) or empty
+    if text[0].isdigit() or keyword.iskeyword(text):
+        text = f"_{text}"
+    return text
+
+
+def unique(names: Sequence[str]) -> list[str]:
+    """Names made unique by suffixes, first occurrence kept as is."""
+    seen: set[str] = set()
+    out = []
+    for name in names:
+        candidate, k = name, 1
+        while candidate in seen:
+            k += 1
+            candidate = f"{name}_{k}"
+        seen.add(candidate)
+        out.append(candidate)
+    return out
+
+
+def output_names(tree: Any, leaves: Sequence[Any]) -> list[str]:
+    """Default output names: ``output`` for a lone leaf, keys/paths otherwise (``logits``, ``out_0``)."""
+    names = []
+    for path in leaf_paths(tree, leaves):
+        name = identifier(path, "output")
+        names.append(f"out{name}" if name.startswith("_") and name[1:2].isdigit() else name)
+    return unique(names)
+
+
+# ------------------------------------------------------------------------------- torch-free description
+
+def describe(spec: optree.PyTreeSpec, leaves: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A JSON-able description of a tree, enough to rebuild it without torch or optree.
+
+    ``leaves`` maps leaf positions to their own description (default ``{"kind": "leaf"}``): a
+    baked constant, a static value, a Python int computed by the graph...
+    """
+    leaves = leaves or {}
+    counter = iter(range(spec.num_leaves))
+
+    def walk(node: optree.PyTreeSpec) -> dict[str, Any]:
+        if node.is_leaf():
+            return leaves.get(next(counter), {"kind": "leaf"})
+        cls = node.type
+        return {
+            "kind": node.kind.name.lower(),
+            "type": f"{cls.__module__}:{cls.__qualname__}" if cls is not None else "builtins:NoneType",
+            "keys": [e if isinstance(e, (str, int)) else str(e) for e in node.entries()],
+            "children": [walk(child) for child in node.children()],
+        }
+
+    return walk(spec)
+
+
+def static_leaf(value: Any) -> dict[str, Any]:
+    """Description of a static input leaf: its value when JSON holds it, else its repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"kind": "const", "value": value}
+    return {"kind": "static", "repr": repr(value)}
+
+
+def _import(qualified: str) -> type | None:
+    module, _, name = qualified.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj if isinstance(obj, type) else None
+    except Exception:  # the class is not importable here: rebuild as a plain container
+        return None
+
+
+def rebuild(description: dict[str, Any], leaves: Iterator[Any]) -> Any:
+    """Rebuild a described tree from leaves in flattening order (classes imported when possible)."""
+    kind = description["kind"]
+    if kind == "leaf":
+        return next(leaves)
+    if kind == "scalar":  # a Python number the graph computes (a size), returned as one
+        return {"int": int, "float": float, "bool": bool}[description["type"]](next(leaves).item())
+    if kind == "const":
+        return description["value"]
+    if kind == "none":
+        return None
+    children = [rebuild(child, leaves) for child in description["children"]]
+    keys = description["keys"]
+    if kind == "tuple":
+        return tuple(children)
+    if kind == "list":
+        return children
+    if kind == "deque":
+        return deque(children)
+    if kind in ("dict", "defaultdict"):
+        return dict(zip(keys, children))
+    if kind == "ordereddict":
+        return OrderedDict(zip(keys, children))
+    cls = _import(description["type"])
+    if kind in ("namedtuple", "structseq"):
+        return cls(children) if kind == "structseq" and cls else (cls(*children) if cls else tuple(children))
+    if cls is not None:
+        try:
+            return cls(**dict(zip(keys, children)))
+        except Exception:  # a custom node whose constructor takes other arguments
+            pass
+    return dict(zip(map(str, keys), children))
+
+
+def flatten_described(description: dict[str, Any], tree: Any, path: str = "") -> Iterator[tuple[str, Any, dict]]:
+    """Walk ``tree`` along a description: yields (path, value, leaf description) per leaf.
+
+    Raises ``ValueError`` naming the path where the structure differs. Pure Python: works where
+    neither torch nor optree is installed.
+    """
+    kind = description["kind"]
+    if kind in ("leaf", "const", "static", "scalar"):
+        yield path, tree, description
+        return
+    if kind == "none":
+        if tree is not None:
+            raise ValueError(f"input {path or 'root'}: expected None, got {type(tree).__name__}")
+        return
+    keys, children = description["keys"], description["children"]
+    for key, child in zip(keys, children):
+        sub = f"{path}[{key!r}]" if path else str(key)
+        try:
+            if isinstance(tree, dict):
+                value = tree[key]
+            elif kind in ("tuple", "list", "deque", "namedtuple", "structseq"):
+                value = list(tree)[int(key)] if isinstance(key, int) else getattr(tree, key)
+            else:
+                value = tree[key] if hasattr(tree, "__getitem__") and isinstance(key, str) else getattr(tree, str(key))
+        except (KeyError, IndexError, AttributeError, TypeError):
+            raise ValueError(
+                f"input {sub}: missing; expected a {kind} with entries {keys}, got {type(tree).__name__}"
+            ) from None
+        yield from flatten_described(child, value, sub)
+    if hasattr(tree, "__len__") and len(tree) != len(keys):
+        raise ValueError(f"input {path or 'root'}: expected {len(keys)} entries {keys}, got {len(tree)}")
+

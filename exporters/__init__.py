@@ -1,0 +1,8 @@
+"""torch callable + example tensors + names and dynamic axes -> ``onnx.ModelProto``.
+
+Plain data in, plain data out: this package knows nothing of clika_runtime or serving.
+"""
+
+from exporters.dynamo import ExportedGraph, export_graph
+
+__all__ = ["ExportedGraph", "export_graph"]

@@ -1,0 +1,190 @@
+"""The default exporter: ``torch.onnx.export(..., dynamo=True)`` (torch.export underneath)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import onnx
+import onnx_ir as ir
+import torch
+from torch.export import Dim
+
+from exporters import graph_edits
+from exporters.dtypes import onnx_dtype
+
+_GRAPH_SCALARS = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+@dataclass
+class ExportedGraph:
+    """What one export produced.
+
+    Attributes:
+        model_proto: the graph, with inputs, outputs and dims named.
+        input_dims: per graph input, each axis as an int (static) or its dim name (dynamic).
+        output_dims: per graph output, likewise (a dynamic output dim may be an expression).
+        graph_leaves: positions, in the flat output of ``fn``, of the leaves the graph computes.
+        constants: the other output leaves, by position, as traced (baked into the capture).
+        dim_ranges: dim name -> (lowest, highest or None) size the exporter assumed.
+    """
+
+    model_proto: onnx.ModelProto
+    input_dims: list[tuple[int | str | None, ...]]
+    output_dims: list[tuple[int | str | None, ...]]
+    graph_leaves: list[int]
+    constants: dict[int, Any]
+    dim_ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+
+
+class _Flat(torch.nn.Module):
+    """Calls ``fn`` on flat inputs and returns only the leaves a graph can compute.
+
+    Non-graph leaves (constant ints, strings, None) are recorded at trace time instead: the ONNX
+    converter cannot return them, and they are the same for every call the capture serves.
+    """
+
+    def __init__(self, fn: Callable[..., Sequence[Any]], owner: torch.nn.Module | None) -> None:
+        super().__init__()
+        self.fn = fn
+        # Registering the module the target belongs to makes its weights graph initializers.
+        self.owner = owner
+        # Not .train()/.eval(): those would change the owner's mode too.
+        self.training = owner.training if owner is not None else False
+        # The exporter may work on a deep copy of this module: the plan lives in a closure, which
+        # copying shares, rather than in module attributes, which it would copy.
+        plan: dict[str, Any] = {"graph_leaves": [], "constants": {}}
+        self.plan = lambda: plan
+
+    def forward(self, *args: Any) -> tuple[Any, ...]:
+        leaves = list(self.fn(*args))
+        graph_leaves = [i for i, v in enumerate(leaves) if isinstance(v, _GRAPH_SCALARS)]
+        plan = self.plan()
+        plan["graph_leaves"] = graph_leaves
+        plan["constants"] = {i: v for i, v in enumerate(leaves) if not isinstance(v, _GRAPH_SCALARS)}
+        return tuple(leaves[i] for i in graph_leaves)
+
+
+def _dynamic_shapes(examples: Sequence[Any], dynamic: Sequence[Mapping[int, Any]]) -> tuple:
+    specs = []
+    for value, axes in zip(examples, dynamic):
+        if isinstance(value, torch.Tensor):
+            specs.append({axis: Dim.DYNAMIC for axis in axes} or None)
+        else:  # a lifted Python number: dynamic when asked, else baked
+            specs.append(Dim.DYNAMIC if axes else None)
+    return (tuple(specs),)
+
+
+def root_cause(error: BaseException) -> str:
+    """The innermost cause of an exporter failure, first lines only: what a user can act on."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip() or type(error).__name__
+    lines = [line for line in text.splitlines() if line.strip()][:6]
+    return f"{type(error).__name__}: " + "\n".join(lines)
+
+
+def export_graph(
+    fn: Callable[..., Sequence[Any]],
+    examples: Sequence[Any],
+    *,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    output_dtypes: Sequence[torch.dtype | None],
+    dynamic: Sequence[Mapping[int, str | None]],
+    graph_name: str,
+    optimize: bool = True,
+    owner: torch.nn.Module | None = None,
+) -> ExportedGraph:
+    """Export ``fn(*examples) -> flat output leaves`` to ONNX with torch.export.
+
+    Args:
+        fn: takes the flat inputs positionally, returns the flat output leaves.
+        examples: one example per input (tensors, or Python numbers lifted to graph inputs).
+        input_names: the graph input names.
+        output_names / output_dtypes: per output leaf of ``fn`` (dtype ``None`` for non-tensors);
+            only leaves the graph computes become outputs, cast back to these dtypes when the
+            exporter changed them.
+        dynamic: per input, the axes to leave dynamic, each with a dim name or ``None`` (named
+            after the first input and axis that carry it). The exporter may prove some static.
+        graph_name: the ONNX graph's name.
+        optimize: run the exporter's portable optimisations (constant folding, dead code).
+        owner: the module whose weights the graph carries, if any.
+
+    Raises:
+        RuntimeError: the exporter failed; the message holds its root cause.
+    """
+    flat = _Flat(fn, owner)
+    try:
+        with _quiet():
+            program = torch.onnx.export(
+                flat,
+                tuple(examples),
+                dynamo=True,
+                input_names=list(input_names),
+                dynamic_shapes=_dynamic_shapes(examples, dynamic),
+                optimize=optimize,
+                verbose=False,
+            )
+    except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
+        raise RuntimeError(root_cause(e)) from e
+    model = program.model
+    graph_edits.name_inputs(model, input_names)
+    graph_leaves, constants = flat.plan()["graph_leaves"], flat.plan()["constants"]
+    names = [output_names[i] for i in graph_leaves]
+    dtypes = [_leaf_dtype(output_dtypes[i]) for i in graph_leaves]
+    graph_edits.fix_outputs(model, names, dtypes)
+    declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
+    renames = graph_edits.name_dims(model, declared)
+    model.graph.name = graph_name
+    return ExportedGraph(
+        model_proto=ir.to_proto(model),
+        input_dims=graph_edits.input_dims(model),
+        output_dims=graph_edits.output_dims(model),
+        graph_leaves=list(graph_leaves),
+        constants=dict(constants),
+        dim_ranges=_ranges(program.exported_program, renames),
+    )
+
+
+def _leaf_dtype(dtype: torch.dtype | None) -> ir.DataType:
+    # Non-tensor graph leaves are sizes (SymInt): ONNX carries them as int64 scalars.
+    return ir.DataType.INT64 if dtype is None else onnx_dtype(dtype)
+
+
+def _ranges(program: Any, renames: Mapping[str, str]) -> dict[str, tuple[int, int | None]]:
+    ranges: dict[str, tuple[int, int | None]] = {}
+    for symbol, bounds in getattr(program, "range_constraints", {}).items():
+        name = renames.get(str(symbol))
+        if name is None:
+            continue
+        lower, upper = bounds.lower, bounds.upper
+        hi = None if upper is None or not _finite(upper) else int(upper)
+        ranges[name] = (int(lower) if _finite(lower) else 0, hi)
+    return ranges
+
+
+def _finite(bound: Any) -> bool:
+    try:
+        return math.isfinite(float(bound))
+    except (TypeError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Keep the exporter's progress prints and registration warnings off the user's console."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations, not the user's
+            yield
+    finally:
+        logger.setLevel(level)

@@ -1,0 +1,117 @@
+"""Edits on an exported ``onnx_ir.Model``: output names and dtypes, dim names, metadata.
+
+The torch.export-based exporter names things after its own tracer (``add_3``, ``s77``); these passes
+give the graph the names its users know and fix the output dtypes the exporter may have upcast.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Sequence
+
+import onnx_ir as ir
+
+_SYMBOL = re.compile(r"\b[su]\d+\b")
+
+
+def _all_values(graph: ir.Graph):
+    yield from graph.inputs
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        yield from node.outputs
+
+
+def _identity(graph: ir.Graph, value: ir.Value) -> ir.Value:
+    node = ir.Node("", "Identity", [value], num_outputs=1)
+    graph.append(node)
+    out = node.outputs[0]
+    out.dtype, out.shape = value.dtype, value.shape
+    return out
+
+
+def fix_outputs(model: ir.Model, names: Sequence[str], dtypes: Sequence[ir.DataType]) -> None:
+    """Name the graph outputs and give each the dtype eager returned.
+
+    An output that is also a graph input, or that appears twice, gets its own Identity so each
+    output is a value of its own. An output whose dtype differs from eager's (the exporter upcasts
+    some low-precision reductions) gets a Cast back to eager's dtype.
+    """
+    graph = model.graph
+    seen: set[int] = set()
+    for i, (value, dtype) in enumerate(zip(list(graph.outputs), dtypes)):
+        if value.is_graph_input() or id(value) in seen or value.is_initializer():
+            value = _identity(graph, value)
+        if value.dtype != dtype:
+            node = ir.Node("", "Cast", [value], [ir.AttrInt64("to", dtype)], num_outputs=1)
+            graph.append(node)
+            cast = node.outputs[0]
+            cast.dtype, cast.shape = dtype, value.shape
+            value = cast
+        graph.outputs[i] = value
+        seen.add(id(value))
+    for value, name in zip(graph.outputs, names):
+        value.name = name
+
+
+def name_inputs(model: ir.Model, names: Sequence[str]) -> None:
+    """Rename the graph inputs (the exporter may have renamed them to avoid clashes)."""
+    for value, name in zip(model.graph.inputs, names):
+        value.name = name
+
+
+def name_dims(model: ir.Model, declared: Sequence[Mapping[int, str]]) -> dict[str, str]:
+    """Replace exporter symbols (``s77``) by meaningful dim names everywhere in the graph.
+
+    ``declared[i]`` maps axes of input ``i`` to user-given names. Any other symbol is named after the
+    first input and axis that carries it (``input_ids_dim1``); a symbol seen only on an output is
+    named after that output. Returns the mapping symbol -> name that was applied.
+    """
+    graph = model.graph
+    renames: dict[str, str] = {}
+    taken: set[str] = set()
+
+    def claim(symbol: str, name: str) -> None:
+        if symbol in renames:
+            return
+        base, k = name, 1
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        renames[symbol] = name
+        taken.add(name)
+
+    for value, names in zip(graph.inputs, declared):
+        for axis, dim in enumerate(value.shape or ()):
+            if isinstance(dim, ir.SymbolicDim) and dim.value is not None and axis in names:
+                claim(dim.value, names[axis])
+    for value in list(graph.inputs) + list(graph.outputs):
+        for axis, dim in enumerate(value.shape or ()):
+            if isinstance(dim, ir.SymbolicDim) and dim.value is not None and _SYMBOL.fullmatch(dim.value):
+                claim(dim.value, f"{value.name}_dim{axis}")
+
+    def rename(text: str) -> str:
+        return _SYMBOL.sub(lambda m: renames.get(m.group(0), m.group(0)), text)
+
+    for value in _all_values(graph):
+        shape = value.shape
+        if shape is None or not any(isinstance(d, ir.SymbolicDim) for d in shape):
+            continue
+        value.shape = ir.Shape(
+            [ir.SymbolicDim(rename(d.value)) if isinstance(d, ir.SymbolicDim) and d.value else d for d in shape]
+        )
+    return renames
+
+
+def input_dims(model: ir.Model) -> list[tuple[int | str | None, ...]]:
+    """Each graph input's dims: an int where static, the dim name where dynamic."""
+    return [
+        tuple(d if isinstance(d, int) else (d.value if isinstance(d, ir.SymbolicDim) else None) for d in v.shape or ())
+        for v in model.graph.inputs
+    ]
+
+
+def output_dims(model: ir.Model) -> list[tuple[int | str | None, ...]]:
+    """Each graph output's dims: an int where static, the dim name (or expression) where dynamic."""
+    return [
+        tuple(d if isinstance(d, int) else (d.value if isinstance(d, ir.SymbolicDim) else None) for d in v.shape or ())
+        for v in model.graph.outputs
+    ]

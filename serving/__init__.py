@@ -1,0 +1,20 @@
+"""onnx model + place -> a session that runs it fast; loading of shipped graphs.
+
+Imports nothing of torch at import time: a deployment box may have only onnxruntime and numpy.
+"""
+
+from serving.providers import Place, available, cuda_available, resolve
+from serving.runners import NumpyRunner, TorchRunner, with_torch_stream
+from serving.session import metadata, open_session
+
+__all__ = [
+    "NumpyRunner",
+    "Place",
+    "TorchRunner",
+    "available",
+    "cuda_available",
+    "metadata",
+    "open_session",
+    "resolve",
+    "with_torch_stream",
+]
