@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
 import threading
 import warnings
 from collections import OrderedDict
@@ -307,7 +308,7 @@ class CompiledFunction(Generic[P, R]):
         self._reasons.append(f"fallback: {why}")
         logger.log(logging.WARNING if warn else logging.INFO, "%s serves eagerly until reset(): %s", self.__name__, why)
         if warn:
-            warnings.warn(f"clika_runtime: {self.__name__} serves eagerly until reset(): {why}", stacklevel=4)
+            warnings.warn(f"clika_runtime: {self.__name__} serves eagerly until reset(): {why}", stacklevel=_user_level())
 
     def _unhashable(self, args: tuple, kwargs: dict, leaves: list[Any]) -> Any:
         bad = [type(v).__name__ for v in leaves if not isinstance(v, _Tensor) and not _hashable(v)]
@@ -316,7 +317,7 @@ class CompiledFunction(Generic[P, R]):
             raise CaptureError(f"{self.__name__}: {why}; pass it as a tensor or a hashable value")
         if why not in self._warned:
             self._warned.add(why)
-            warnings.warn(f"clika_runtime: {self.__name__}: {why}; serving this call eagerly", stacklevel=3)
+            warnings.warn(f"clika_runtime: {self.__name__}: {why}; serving this call eagerly", stacklevel=_user_level())
         return self._target(*args, **kwargs)
 
     # ----------------------------------------------------------------------------- capture planning
@@ -439,6 +440,14 @@ class CompiledFunction(Generic[P, R]):
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+def _user_level() -> int:
+    """The ``stacklevel`` that points a warning at the user's call, past our own frames."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("clika_runtime"):
+        frame, level = frame.f_back, level + 1
+    return level
+
 
 def _feed_positions(leaves: list[Any], lifted: frozenset[int]) -> list[int]:
     return [i for i, v in enumerate(leaves) if isinstance(v, _Tensor) or i in lifted]

@@ -185,6 +185,8 @@ def _quiet():
     try:
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations, not the user's
+            # The training flag is part of the capture key: exporting a training-mode module is intended.
+            warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
             yield
     finally:
         logger.setLevel(level)

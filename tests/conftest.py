@@ -1,0 +1,47 @@
+"""Shared pieces of the test suite: real torch, real onnxruntime, small models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import clika_runtime as cr
+
+
+class Counted:
+    """Wraps a function and counts the eager calls that reach it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__wrapped__ = fn  # keeps the target's signature visible (inspect.signature follows it)
+        self.calls = 0
+        self.__name__ = getattr(fn, "__name__", "counted")
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+class TinyNet(torch.nn.Module):
+    """Linear + GELU over the last axis: any batch and sequence length."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.nn.functional.gelu(self.proj(x))
+        return y if mask is None else y * mask[..., None]
+
+
+@pytest.fixture(autouse=True)
+def _restore_config():
+    saved = (cr.config.cache_size, cr.config.recapture_limit, dict(cr.config.tolerances))
+    yield
+    cr.config.cache_size, cr.config.recapture_limit, cr.config.tolerances = saved
+
+
+def eager_and_served(f, *args, **kwargs):
+    """Call a compiled function; return its result and the eager result of its target."""
+    with torch.no_grad():
+        return f(*args, **kwargs), f.__wrapped__(*args, **kwargs)
