@@ -1,0 +1,66 @@
+"""Non-tensor leaves are static: keyed by type and value, NaN-safe, unhashable ones served eagerly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import clika_runtime as cr
+from clika_runtime import CaptureError
+from conftest import Counted
+
+
+def _scaled(x, k):
+    return x * k if not isinstance(k, bool) else x + 10 * k
+
+
+def test_one_one_point_oh_and_true_are_three_keys():
+    target = Counted(_scaled)
+    f = cr.compile(target, specialize=True)
+    x = torch.ones(2)
+    for k in (1, 1.0, True):
+        torch.testing.assert_close(f(x, k), _scaled(x, k))
+    assert f.recapture_count == 2
+    calls = target.calls
+    for k in (True, 1, 1.0):
+        torch.testing.assert_close(f(x, k), _scaled(x, k))
+    assert target.calls == calls
+
+
+def test_nan_static_leaf_hits_the_cache():
+    target = Counted(lambda x, fill: torch.nan_to_num(x, nan=0.0) + (0.0 if math.isnan(fill) else fill))
+    f = cr.compile(target)
+    x = torch.tensor([1.0, float("nan")])
+    f(x, float("nan"))
+    calls = target.calls
+    for _ in range(3):
+        torch.testing.assert_close(f(x, float("nan")), torch.tensor([1.0, 0.0]))
+    assert target.calls == calls and f.recapture_count == 0
+
+
+def test_none_and_strings_are_static():
+    f = cr.compile(lambda x, bias, act: (x if bias is None else x + bias).relu() if act == "relu" else x)
+    x = torch.randn(4)
+    torch.testing.assert_close(f(x, None, "relu"), x.relu())
+    torch.testing.assert_close(f(x, None, "id"), x)
+    assert f.recapture_count == 1
+
+
+def test_unhashable_static_leaf_serves_eagerly_with_one_warning():
+    class Opaque:
+        __hash__ = None
+
+        def __init__(self, k):
+            self.k = k
+
+    f = cr.compile(lambda x, cfg: x * cfg.k)
+    x = torch.ones(2)
+    with pytest.warns(UserWarning, match="unhashable type Opaque") as record:
+        torch.testing.assert_close(f(x, Opaque(2)), x * 2)
+        torch.testing.assert_close(f(x, Opaque(3)), x * 3)
+    assert len(record) == 1
+    assert f.state is cr.CompiledFunction.State.Pending
+    with pytest.raises(CaptureError, match="unhashable type Opaque"):
+        cr.compile(lambda x, cfg: x * cfg.k, fullgraph=True)(x, Opaque(2))
