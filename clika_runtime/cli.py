@@ -1,0 +1,160 @@
+"""``clika-runtime`` / ``python -m clika_runtime``: inspect, validate and export graphs in CI."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from typing import Any, Sequence
+
+from clika_runtime.errors import ClikaError
+
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code (0 only when everything passed)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ClikaError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clika-runtime", description=__doc__)
+    sub = parser.add_subparsers(required=True, metavar="command")
+
+    p = sub.add_parser("inspect", help="inputs, outputs, dims, opset, ops, size and metadata of a graph")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("validate", help="check, load and run a graph at several sizes; exit 1 on failure")
+    p.add_argument("model")
+    p.add_argument("--reference", help=".npz of arrays named after graph inputs and outputs")
+    p.add_argument("--dims", nargs="*", default=[], metavar="NAME=1,8,32", help="sizes per dynamic dim")
+    p.add_argument("--place", default="cpu")
+    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_validate)
+
+    p = sub.add_parser("export", help="capture a callable once and save its graph")
+    p.add_argument("factory", help="package.module:function returning the callable (e.g. a model)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--inputs", help="package.module:function returning example args (a tuple) or (args, kwargs)")
+    source.add_argument("--signature", nargs="+", metavar="NAME:DTYPE[d0,d1]",
+                        help="tensor inputs, e.g. 'x:float32[batch,8]' (str dims dynamic, ints static)")
+    p.add_argument("--out", required=True, help="where to save the .onnx")
+    p.add_argument("--dynamic", action="store_true", help="every axis dynamic from the first capture")
+    p.set_defaults(run=_export)
+    return parser
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from clika_runtime.validation import format_inspection, inspect_graph
+
+    info = inspect_graph(args.model)
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from clika_runtime.validation import validate_graph
+
+    report = validate_graph(
+        args.model, reference=args.reference, dims=_parse_dims(args.dims), place=args.place,
+        rtol=args.rtol, atol=args.atol,
+    )
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
+    return 0 if report.passed else 1
+
+
+def _parse_dims(items: Sequence[str]) -> dict[str, list[int]]:
+    dims = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        try:
+            dims[name] = [int(v) for v in values.split(",") if v]
+        except ValueError:
+            raise ValueError(f"--dims {item!r}: expected NAME=1,8,32") from None
+        if not name or not dims[name]:
+            raise ValueError(f"--dims {item!r}: expected NAME=1,8,32")
+    return dims
+
+
+def _load_object(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{spec!r}: expected package.module:function")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{spec!r}: cannot import {module}: {e}") from e
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{spec!r}: {module} has no attribute {name}")
+        obj = getattr(obj, part)
+    return obj
+
+
+_SIGNATURE = re.compile(r"^(\w+):(\w+)\[(.*)\]$")
+
+
+def parse_signature(items: Sequence[str]) -> list[Any]:
+    """``['x:float32[batch,8]']`` -> ``[TensorSpec(('batch', 8), torch.float32, 'x')]``."""
+    import torch
+
+    from clika_runtime.specs import TensorSpec
+
+    specs = []
+    for item in items:
+        match = _SIGNATURE.match(item.replace(" ", ""))
+        if not match or match.group(2) not in _DTYPES:
+            raise ValueError(f"--signature {item!r}: expected NAME:DTYPE[d0,d1,...] with DTYPE one of {_DTYPES}")
+        name, dtype, dims = match.groups()
+        shape = [int(d) if d.isdigit() else d for d in dims.split(",") if d]
+        specs.append(TensorSpec(shape, getattr(torch, dtype), name))
+    return specs
+
+
+def _example(spec: Any) -> Any:
+    import torch
+
+    shape = [d if isinstance(d, int) else 3 for d in spec.shape]
+    if spec.dtype.is_floating_point:
+        return torch.randn(shape, dtype=spec.dtype)
+    if spec.dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    return torch.randint(0, 2, shape, dtype=spec.dtype)
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from clika_runtime.compiled import CompiledFunction
+
+    target = _load_object(args.factory)()
+    options: dict[str, Any] = {"fullgraph": True, "dynamic": True if args.dynamic else None}
+    if args.signature:
+        specs = parse_signature(args.signature)
+        options["signature"] = specs
+        call_args, call_kwargs = tuple(_example(s) for s in specs), {}
+    else:
+        example = _load_object(args.inputs)()
+        call_args, call_kwargs = example if _is_args_kwargs(example) else (tuple(example), {})
+    f = CompiledFunction(target, **options)
+    with torch.no_grad():
+        f(*call_args, **call_kwargs)
+    path = f.take_graph().save(args.out)
+    print(f"saved {path} (inputs {f.input_names})")
+    return 0
+
+
+def _is_args_kwargs(example: Any) -> bool:
+    return isinstance(example, tuple) and len(example) == 2 and isinstance(example[0], tuple) and isinstance(example[1], dict)

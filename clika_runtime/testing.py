@@ -1,0 +1,76 @@
+"""A pytest helper for users' own suites: assert that a function's graph matches eager.
+
+    from clika_runtime.testing import assert_graph_matches_eager
+
+    def test_my_model_exports():
+        assert_graph_matches_eager(model, [(x8,), (x16,), ((x32,), {"mask": m32})])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from clika_runtime import trees
+from clika_runtime.compiled import CompiledFunction, State
+
+
+def _split_call(example: Any) -> tuple[tuple, dict]:
+    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[0], tuple) and isinstance(example[1], dict):
+        return example
+    return (example if isinstance(example, tuple) else (example,)), {}
+
+
+def assert_graph_matches_eager(
+    fn: Callable[..., Any],
+    examples: Sequence[Any],
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **compile_options: Any,
+) -> CompiledFunction:
+    """Compile ``fn``, run every example through it, and assert the graph serves them all like eager.
+
+    Each example is a tuple of positional arguments, a single argument, or ``(args, kwargs)``. The
+    examples are called once to capture (shapes may drift between them), then once more: the second
+    pass must be served by the graph, without re-capture, and match eager within ``rtol``/``atol``
+    (default: ``torch.testing.assert_close``'s for the dtype). Failures name the example, the
+    output path and the worst difference. Returns the compiled function for further checks.
+    """
+    f = CompiledFunction(fn, **compile_options)
+    calls = [_split_call(e) for e in examples]
+    with torch.no_grad():
+        for args, kwargs in calls:
+            f(*args, **kwargs)
+        if f.state is not State.Compiled:
+            raise AssertionError(f"{f.__name__} did not compile: {'; '.join(f.recapture_reasons)}")
+        count = f.recapture_count
+        for index, (args, kwargs) in enumerate(calls):
+            served = f(*args, **kwargs)
+            expected = fn(*args, **kwargs)
+            _compare(index, served, expected, rtol, atol)
+        if f.recapture_count != count or f.state is not State.Compiled:
+            raise AssertionError(
+                f"{f.__name__}: the examples were not all served by one set of graphs: {f.recapture_reasons[count:]}"
+            )
+    return f
+
+
+def _compare(index: int, served: Any, expected: Any, rtol: float | None, atol: float | None) -> None:
+    served_leaves, served_spec = trees.flatten(served)
+    expected_leaves, expected_spec = trees.flatten(expected)
+    if served_spec != expected_spec:
+        raise AssertionError(f"example {index}: output structure {served_spec}, eager {expected_spec}")
+    names = trees.output_names(expected, expected_leaves)
+    for name, got, want in zip(names, served_leaves, expected_leaves):
+        if not isinstance(want, torch.Tensor):
+            if got != want:
+                raise AssertionError(f"example {index}: output '{name}' is {got!r}, eager {want!r}")
+            continue
+        tolerances = {} if rtol is None and atol is None else {"rtol": rtol or 0.0, "atol": atol or 0.0}
+        try:
+            torch.testing.assert_close(got, want, **tolerances)
+        except AssertionError as e:
+            worst = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "n/a"
+            raise AssertionError(f"example {index}: output '{name}' differs from eager (worst |diff| {worst}): {e}") from None

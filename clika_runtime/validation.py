@@ -1,0 +1,266 @@
+"""Check a shipped graph the way CI should: checker, shape inference, onnxruntime at several sizes.
+
+numpy only at run time (torch is not needed): this is what ``clika-runtime validate`` runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+import serving
+from clika_runtime.errors import GraphFileError, PlaceError
+
+DEFAULT_SIZES = (1, 3, 8)
+
+_NUMPY = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int8)": np.int8, "tensor(int16)": np.int16, "tensor(int32)": np.int32, "tensor(int64)": np.int64,
+    "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_,
+}
+
+
+@dataclass
+class Check:
+    """One row of the report."""
+
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    """Every check run on a graph; ``passed`` only when all passed."""
+
+    path: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when every check passed (and at least one ran)."""
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def add(self, name: str, passed: bool, detail: str = "") -> bool:
+        self.checks.append(Check(name, passed, detail))
+        return passed
+
+    def table(self) -> str:
+        """A fixed-width table, one check per line, and a closing line that counts them."""
+        width = max([len(c.name) for c in self.checks] + [5])
+        lines = [f"{'check':<{width}}  result  detail", f"{'-' * width}  ------  ------"]
+        lines += [f"{c.name:<{width}}  {'ok' if c.passed else 'FAIL':<6}  {c.detail}" for c in self.checks]
+        failed = sum(not c.passed for c in self.checks)
+        lines.append(f"{self.path}: {len(self.checks) - failed} passed, {failed} failed")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {"path": self.path, "passed": self.passed, "checks": [c.__dict__ for c in self.checks]}
+
+
+def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
+    """What a graph holds: inputs/outputs with dtypes and named dims, opset, nodes, size, metadata."""
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise GraphFileError(f"{path}: no such file")
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except Exception as e:
+        raise GraphFileError(f"{path}: not a readable ONNX model (truncated or corrupt?): {e}") from e
+
+    def describe(value: Any) -> dict[str, Any]:
+        tensor = value.type.tensor_type
+        dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in tensor.shape.dim]
+        return {"name": value.name, "dtype": onnx.TensorProto.DataType.Name(tensor.elem_type).lower(), "dims": dims}
+
+    nodes = list(model.graph.node)
+    data = [path.parent / location for location in _external_files(model)]
+    return {
+        "path": str(path),
+        "graph_name": model.graph.name,
+        "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+        "inputs": [describe(v) for v in model.graph.input],
+        "outputs": [describe(v) for v in model.graph.output],
+        "nodes": len(nodes),
+        "ops": dict(Counter(n.op_type for n in nodes).most_common()),
+        "size_bytes": path.stat().st_size + sum(p.stat().st_size for p in set(data) if p.is_file()),
+        "external_data": sorted({str(p.name) for p in data}),
+        "metadata": {p.key: p.value for p in model.metadata_props},
+    }
+
+
+def _external_files(model: Any) -> list[str]:
+    return [e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"]
+
+
+def format_inspection(info: Mapping[str, Any]) -> str:
+    """A readable table of ``inspect_graph``'s result."""
+    lines = [f"graph {info['graph_name']!r}  ({info['path']}, {info['size_bytes']:,} bytes)"]
+    lines.append("opset: " + ", ".join(f"{d} {v}" for d, v in info["opset"].items()))
+    for kind in ("inputs", "outputs"):
+        lines.append(f"{kind}:")
+        for v in info[kind]:
+            lines.append(f"  {v['name']:<28} {v['dtype']:<9} [{', '.join(map(str, v['dims']))}]")
+    lines.append(f"nodes: {info['nodes']}  ops: " + ", ".join(f"{op}×{n}" for op, n in info["ops"].items()))
+    if info["external_data"]:
+        lines.append("external data: " + ", ".join(info["external_data"]))
+    for key, value in info["metadata"].items():
+        lines.append(f"meta {key}: {value if len(value) < 100 else value[:97] + '...'}")
+    return "\n".join(lines)
+
+
+def validate_graph(
+    path: str | os.PathLike,
+    *,
+    reference: str | os.PathLike | None = None,
+    dims: Mapping[str, Sequence[int]] | None = None,
+    place: Any = "cpu",
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+    seed: int = 0,
+) -> Report:
+    """Validate a graph file; see the module docstring. Never raises for a bad graph: it reports.
+
+    ``dims`` gives sizes per dynamic dim name (default 1, 3, 8 each); an unknown name is an error
+    (``ValueError`` listing the graph's dim names). ``reference`` is an ``.npz`` with arrays named
+    after graph inputs and outputs: the graph is run on those inputs and compared with those outputs.
+    """
+    import onnx
+
+    report = Report(str(path))
+    path = Path(path)
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+        report.add("onnx checker (full)", True)
+    except Exception as e:  # the checker raises several types; all mean the same: invalid graph
+        report.add("onnx checker (full)", False, _first_line(e))
+        return report
+    try:
+        model = onnx.load_model(str(path))
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+        report.add("strict shape inference", True)
+    except Exception as e:
+        report.add("strict shape inference", False, _first_line(e))
+    try:
+        session = serving.open_session(str(path), serving.resolve(place))
+        report.add(f"loads in onnxruntime on {place}", True, ", ".join(session.get_providers()))
+    except ValueError as e:
+        raise PlaceError(str(e)) from e
+    except Exception as e:
+        report.add(f"loads in onnxruntime on {place}", False, _first_line(e))
+        return report
+    graph_dims = _dim_names(session)
+    sizes = {name: list(DEFAULT_SIZES) for name in graph_dims}
+    unknown = sorted(set(dims or {}) - set(graph_dims))
+    if unknown:
+        raise ValueError(f"--dims: unknown dim name(s) {unknown}; this graph's dynamic dims are {sorted(graph_dims)}")
+    sizes.update({k: list(v) for k, v in (dims or {}).items()})
+    rng = np.random.default_rng(seed)
+    for assignment in _assignments(sizes):
+        label = ", ".join(f"{k}={v}" for k, v in assignment.items()) or "static shapes"
+        report.add(f"runs at {label}", *_run_once(session, assignment, rng))
+    if reference is not None:
+        report.add("matches reference outputs", *_compare_reference(session, reference, rtol, atol))
+    return report
+
+
+def _dim_names(session: Any) -> list[str]:
+    names: list[str] = []
+    for value in session.get_inputs():
+        for d in value.shape:
+            if isinstance(d, str) and d not in names:
+                names.append(d)
+    return names
+
+
+def _assignments(sizes: Mapping[str, Sequence[int]]) -> list[dict[str, int]]:
+    """Each dim through its sizes with the others at their first size, then all at their last."""
+    if not sizes:
+        return [{}]
+    base = {k: v[0] for k, v in sizes.items()}
+    runs = [dict(base)]
+    for name, values in sizes.items():
+        for v in values[1:]:
+            runs.append({**base, name: v})
+    runs.append({k: v[-1] for k, v in sizes.items()})
+    unique = []
+    for run in runs:
+        if run not in unique:
+            unique.append(run)
+    return unique
+
+
+def _run_once(session: Any, assignment: Mapping[str, int], rng: np.random.Generator) -> tuple[bool, str]:
+    feeds = {}
+    for value in session.get_inputs():
+        dtype = _NUMPY.get(value.type)
+        if dtype is None:
+            return False, f"input '{value.name}': type {value.type} cannot be generated"
+        shape = [assignment.get(d, 1) if isinstance(d, str) or d is None else d for d in value.shape]
+        if np.issubdtype(dtype, np.floating):
+            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype is np.bool_:
+            feeds[value.name] = rng.random(shape) > 0.5
+        else:  # small non-negative ints are valid indices for embeddings and gathers alike
+            feeds[value.name] = rng.integers(0, 2, size=shape).astype(dtype)
+    try:
+        outs = session.run(None, feeds)
+    except Exception as e:
+        return False, _first_line(e)
+    problems = []
+    for meta, out in zip(session.get_outputs(), outs):
+        for axis, d in enumerate(meta.shape):
+            if isinstance(d, int) and axis < np.ndim(out) and np.shape(out)[axis] != d:
+                problems.append(f"output '{meta.name}' axis {axis}: {np.shape(out)[axis]}, graph declares {d}")
+            if isinstance(d, str) and d in assignment and np.shape(out)[axis] != assignment[d]:
+                problems.append(f"output '{meta.name}' axis {axis} ({d}): {np.shape(out)[axis]}, expected {assignment[d]}")
+        if np.issubdtype(np.asarray(out).dtype, np.floating) and not np.isfinite(out).all():
+            problems.append(f"output '{meta.name}' has non-finite values")
+    shapes = ", ".join(f"{m.name}{list(np.shape(o))}" for m, o in zip(session.get_outputs(), outs))
+    return (not problems), "; ".join(problems) or shapes
+
+
+def _compare_reference(session: Any, reference: str | os.PathLike, rtol: float, atol: float) -> tuple[bool, str]:
+    try:
+        data = np.load(reference)
+    except Exception as e:
+        return False, f"cannot read reference {reference}: {_first_line(e)}"
+    inputs = [i.name for i in session.get_inputs()]
+    missing = [n for n in inputs if n not in data]
+    if missing:
+        return False, f"reference lacks input(s) {missing}; it holds {sorted(data.files)}"
+    outs = session.run(None, {n: data[n] for n in inputs})
+    compared = []
+    for meta, out in zip(session.get_outputs(), outs):
+        if meta.name not in data:
+            continue
+        expected = data[meta.name]
+        if expected.shape != np.shape(out):
+            return False, f"output '{meta.name}': shape {list(np.shape(out))}, reference {list(expected.shape)}"
+        if not np.allclose(out, expected, rtol=rtol, atol=atol, equal_nan=True):
+            worst = float(np.nanmax(np.abs(out.astype(np.float64) - expected.astype(np.float64))))
+            return False, f"output '{meta.name}': max |diff| {worst:.3g} > rtol={rtol}, atol={atol}"
+        compared.append(meta.name)
+    if not compared:
+        return False, f"reference holds none of the outputs {[o.name for o in session.get_outputs()]}"
+    return True, f"compared {compared}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
+def save_reference(path: str | os.PathLike, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
+    """Write an ``.npz`` reference (arrays named after graph inputs and outputs) for ``validate``."""
+    arrays = {k: np.asarray(v) for k, v in itertools.chain(inputs.items(), outputs.items())}
+    np.savez(path, **arrays)
