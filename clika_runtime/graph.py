@@ -239,16 +239,27 @@ class ServedGraph:
         return feeds
 
     def _canonical(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Keyword arguments that name positional parameters move to their slots, as at capture."""
-        slots = self._parameters[len(args):]
-        moved = []
-        for name in slots:
-            if name not in kwargs:
+        """Keyword arguments that name positional parameters move to their slots, as at capture.
+
+        A slot the call leaves out takes the value it was captured with, when that was a constant
+        (a parameter default such as ``None``).
+        """
+        slots = self._inputs["children"][0]["children"]
+        if not kwargs or len(args) >= len(slots):
+            return args, kwargs
+        moved, filled = [], []
+        for i in range(len(args), len(slots)):
+            name = self._parameters[i] if i < len(self._parameters) else None
+            if name in kwargs:
+                moved.append(name)
+                filled.append(kwargs[name])
+            elif slots[i].get("kind") == "const":
+                filled.append(slots[i]["value"])
+            else:
                 break
-            moved.append(name)
         if not moved:
             return args, kwargs
-        return args + tuple(kwargs[n] for n in moved), {k: v for k, v in kwargs.items() if k not in moved}
+        return args + tuple(filled), {k: v for k, v in kwargs.items() if k not in moved}
 
     def _run_torch(self, feeds: Sequence[Any]) -> list[Any]:
         import torch

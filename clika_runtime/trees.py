@@ -28,26 +28,36 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def sync_registry() -> bool:
-    """Mirror node types newly registered with torch's pytree; True when any was added."""
+def sync_registry() -> None:
+    """Mirror node types newly registered with torch's pytree into our namespace."""
     try:
         from torch.utils import _pytree
     except ImportError:  # torch-free serving: only builtin containers
-        return False
-    added = False
+        return
     for cls, node in list(_pytree.SUPPORTED_NODES.items()):
         if not isinstance(cls, type) or cls in _mirrored or cls in _NATIVE or optree.is_structseq_class(cls):
             continue
         _mirrored.add(cls)
-        flatten_fn, unflatten_fn = node.flatten_fn, node.unflatten_fn
         optree.register_pytree_node(
-            cls,
-            flatten_fn,
-            lambda context, children, _unflatten=unflatten_fn: _unflatten(children, context),
-            namespace=NAMESPACE,
+            cls, _flatten_with_entries(node), _unflatten(node.unflatten_fn), namespace=NAMESPACE
         )
-        added = True
-    return added
+
+
+def _flatten_with_entries(node: Any) -> Any:
+    """optree flatten function for a torch pytree node, with key names as entries when torch has them."""
+    flatten_fn, with_keys = node.flatten_fn, node.flatten_with_keys_fn
+    if with_keys is None:
+        return flatten_fn
+
+    def flatten(obj: Any) -> tuple[list[Any], Any, list[str]]:
+        pairs, context = with_keys(obj)
+        return [v for _, v in pairs], context, [_key_text(k) for k, _ in pairs]
+
+    return flatten
+
+
+def _unflatten(unflatten_fn: Any) -> Any:
+    return lambda context, children: unflatten_fn(children, context)
 
 
 # ---------------------------------------------------------------------------------------------- names
