@@ -50,8 +50,9 @@ def _flatten_with_entries(node: Any) -> Any:
         return flatten_fn
 
     def flatten(obj: Any) -> tuple[list[Any], Any, list[str]]:
-        pairs, context = with_keys(obj)
-        return [v for _, v in pairs], context, [_key_text(k) for k, _ in pairs]
+        # The context must come from flatten_fn: for some types (dataclasses) the keyed variant's differs.
+        children, context = flatten_fn(obj)
+        return children, context, [_key_text(k) for k, _ in with_keys(obj)[0]]
 
     return flatten
 
