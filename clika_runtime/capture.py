@@ -28,8 +28,6 @@ class CaptureRequest:
 
     target: Callable[..., Any]
     owner: torch.nn.Module | None
-    args: tuple
-    kwargs: dict
     leaves: list[Any]
     spec: optree.PyTreeSpec
     feed_positions: list[int]
@@ -38,6 +36,7 @@ class CaptureRequest:
     eager_out: Any
     graph_name: str
     output_names: Sequence[str] | None
+    output_dims: dict[str, dict[int, str | None]]
     optimize: bool
     place: serving.Place
     key: tuple
@@ -167,6 +166,7 @@ def _export(request: CaptureRequest, names: list[str], eager_leaves: list[Any]) 
             output_dtypes=[leaf.dtype if isinstance(leaf, torch.Tensor) else None for leaf in eager_leaves],
             dynamic=request.dynamic,
             graph_name=request.graph_name,
+            output_dims=request.output_dims,
             optimize=request.optimize,
             owner=request.owner,
         )

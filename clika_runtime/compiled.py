@@ -8,6 +8,7 @@ import sys
 import threading
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Mapping, ParamSpec, Sequence, TypeVar
 
 import torch
@@ -30,6 +31,22 @@ _flatten = trees.flatten
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _NO_LIFT: frozenset[int] = frozenset()
+
+
+@dataclass
+class Call:
+    """One call, flattened and split: what the miss path decides from."""
+
+    args: tuple
+    kwargs: dict
+    leaves: list[Any]
+    spec: Any
+    lifted: frozenset[int]  # leaf positions of Python numbers fed to the graph
+    feeds: list[Any]  # leaves fed to the graph, in order
+    positions: list[int]  # their leaf positions
+    names: list[str]  # their graph input names
+    static_names: list[str]  # names of the non-tensor leaves, in order
+    key: tuple
 
 
 class State(enum.Enum):
@@ -184,7 +201,6 @@ class CompiledFunction(Generic[P, R]):
             self._lifted: dict[Any, frozenset[int]] = {}
             self._recaptures = 0
             self._reasons: list[str] = []
-            self._pending_output_axes: dict[str, dict[int, str | None]] = {}
             self._state = State.Pending
 
     def take_graph(self) -> ModelGraph:
@@ -214,74 +230,89 @@ class CompiledFunction(Generic[P, R]):
             args, kwargs = self._forms(args, kwargs)
             trees.sync_registry()  # node types registered since the last miss flatten from now on
             leaves, spec = _flatten((args, kwargs))
-            lifted = self._lifted.get(spec, self._initial_lift(leaves))
-            feeds, statics = split(leaves, lifted)
-            positions = _feed_positions(leaves, lifted)
-            leaf_names = self._leaf_names(args, kwargs, leaves)
-            names = self._feed_names(leaf_names, positions)
-            self._check_signature(feeds, names)
-            if _grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in feeds):
+            call = self._call(args, kwargs, leaves, spec, self._lifted.get(spec, self._initial_lift(leaves)))
+            self._check_signature(call)
+            if _grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in call.feeds):
                 return self._target(*args, **kwargs)  # the caller is differentiating: stay eager
-            training = self._owner.training if self._owner else None
-            key = (spec, statics, feed_meta(feeds, self._dynamic is False), training)
             try:
-                hash(key)
+                hash(call.key)
             except TypeError:
                 return self._unhashable(args, kwargs, leaves)
-            existing = self._captures.get(key)
-            if existing is not None and existing.guard.matches(feeds):  # captured by another thread
+            existing = self._captures.get(call.key)
+            if existing is not None and existing.guard.matches(call.feeds):  # captured by another thread
                 self._touch(existing)
-                return existing.run(feeds)
+                return existing.run(call.feeds)
             if existing is not None:
-                drifted, reasons = existing.guard.drift(feeds, existing.feed_names)
+                drifted, reasons = existing.guard.drift(call.feeds, existing.feed_names)
                 dynamic = [{**{a: None for a in axes}, **d} for d, axes in zip(existing.dynamic, drifted)]
             else:
-                lifted, reasons = self._lift_changed_numbers(spec, leaves, lifted, leaf_names)
+                lifted, reasons = self._lift_changed_numbers(call)
                 if reasons:  # numbers became graph inputs: they leave the key
-                    feeds, statics = split(leaves, lifted)
-                    positions = _feed_positions(leaves, lifted)
-                    names = self._feed_names(leaf_names, positions)
-                    key = (spec, statics, feed_meta(feeds, self._dynamic is False), training)
+                    call = self._call(args, kwargs, leaves, spec, lifted)
                 elif self._last_key is not None:
-                    static_names = [n for i, n in enumerate(leaf_names) if i not in set(positions)]
-                    reasons = [describe_key_change(self._last_key, key, static_names, names)]
-                dynamic = self._initial_dynamic(feeds, names, lifted, positions)
+                    reasons = [describe_key_change(self._last_key, call.key, call.static_names, call.names)]
+                dynamic = self._initial_dynamic(call)
             if self._last_key is not None:
                 if self._recaptures >= config.recapture_limit:
                     why = f"re-capture limit ({config.recapture_limit}) reached; last: {'; '.join(reasons)}"
                     return self._give_up(why, args, kwargs, run_eager=True)
                 self._recaptures += 1
                 self._record(reasons)
-            return self._capture(args, kwargs, leaves, spec, positions, names, dynamic, key, lifted)
+            return self._capture(call, dynamic)
 
-    def _capture(self, args, kwargs, leaves, spec, positions, names, dynamic, key, lifted) -> Any:
-        feeds = [leaves[p] for p in positions]
-        versions = [t._version if isinstance(t, _Tensor) else None for t in feeds]
-        out = self._target(*args, **kwargs)  # the target's own exceptions reach the caller unchanged
-        mutated = [n for n, t, v in zip(names, feeds, versions) if isinstance(t, _Tensor) and t._version != v]
+    def _call(self, args: tuple, kwargs: dict, leaves: list[Any], spec: Any, lifted: frozenset[int]) -> Call:
+        """Flatten-side facts of one call under a given set of lifted numbers."""
+        feeds, statics = split(leaves, lifted)
+        positions = [i for i, v in enumerate(leaves) if isinstance(v, _Tensor) or i in lifted]
+        leaf_names = self._leaf_names(args, kwargs, leaves)
+        training = self._owner.training if self._owner is not None else None
+        return Call(
+            args=args, kwargs=kwargs, leaves=leaves, spec=spec, lifted=lifted, feeds=feeds, positions=positions,
+            names=self._feed_names(leaf_names, positions),
+            static_names=[n for n, v in zip(leaf_names, leaves) if not isinstance(v, _Tensor)],
+            key=(spec, statics, feed_meta(feeds, self._dynamic is False), training),
+        )
+
+    def _capture(self, call: Call, dynamic: list[dict[int, str | None]]) -> Any:
+        versions = [t._version if isinstance(t, _Tensor) else None for t in call.feeds]
+        out = self._target(*call.args, **call.kwargs)  # the target's own exceptions reach the caller unchanged
+        mutated = [n for n, t, v in zip(call.names, call.feeds, versions) if isinstance(t, _Tensor) and t._version != v]
         if mutated:
             why = f"input mutation: the call modified input(s) {mutated} in place, which a graph cannot reproduce"
-            return self._give_up(why, args, kwargs, result=out)
-        request = capture_mod.CaptureRequest(
-            target=self._target, owner=self._owner, args=args, kwargs=kwargs, leaves=leaves, spec=spec,
-            feed_positions=positions, feed_names=names, dynamic=dynamic, eager_out=out,
-            graph_name=self._graph_name, output_names=self._output_names, optimize=self._optimize,
-            place=self._place_for(feeds), key=key, lifted=lifted, parameters=self._forms.positional,
-        )
+            return self._give_up(why, call.args, call.kwargs, result=out)
+        self._check_output_axes(out, call)
         try:
-            self._check_output_axes(out)
-            with torch.inference_mode(False), torch.no_grad():
-                capture = capture_mod.build(request)
+            capture = self._build(call, dynamic, out)
         except CaptureError as e:
-            return self._give_up(f"capture failed: {e}", args, kwargs, result=out, cause=e)
-        self._lifted[spec] = lifted
-        self._captures[key] = capture
+            if not call.lifted:
+                return self._give_up(f"capture failed: {e}", call.args, call.kwargs, result=out, cause=e)
+            # The exporter could not lift these numbers: bake them and try once more.
+            lifted_names = [n for n, p in zip(call.names, call.positions) if p in call.lifted]
+            self._record([f"numbers {lifted_names} stay baked: the exporter could not lift them ({_first_line(e)})"])
+            call = self._call(call.args, call.kwargs, call.leaves, call.spec, frozenset())
+            try:
+                capture = self._build(call, self._initial_dynamic(call), out)
+            except CaptureError as e2:
+                return self._give_up(f"capture failed: {e2}", call.args, call.kwargs, result=out, cause=e2)
+        self._lifted[call.spec] = call.lifted
+        self._captures[call.key] = capture
         self._touch(capture)
         while len(self._captures) > max(1, config.cache_size):
             self._captures.popitem(last=False)
-        self._last_key = key
+        self._last_key = call.key
         self._state = _COMPILED
         return out
+
+    def _build(self, call: Call, dynamic: list[dict[int, str | None]], out: Any) -> capture_mod.Capture:
+        request = capture_mod.CaptureRequest(
+            target=self._target, owner=self._owner, leaves=call.leaves, spec=call.spec,
+            feed_positions=call.positions, feed_names=call.names, dynamic=dynamic, eager_out=out,
+            graph_name=self._graph_name, output_names=self._output_names, output_dims=self._output_axes,
+            optimize=self._optimize, place=self._place_for(call.feeds), key=call.key, lifted=call.lifted,
+            parameters=self._forms.positional,
+        )
+        with torch.inference_mode(False), torch.no_grad():
+            return capture_mod.build(request)
 
     def _touch(self, capture: capture_mod.Capture) -> None:
         self._current = capture
@@ -337,47 +368,52 @@ class CompiledFunction(Generic[P, R]):
             names = [d or n for d, n in zip(declared, names)]
         return trees.unique(names)
 
-    def _check_signature(self, feeds: list[Any], names: list[str]) -> None:
-        if not self._signature:
-            return
-        tensors = [(n, t) for n, t in zip(names, feeds) if isinstance(t, _Tensor)]
-        if len(tensors) != len(self._signature):
-            raise SignatureError(
-                f"signature declares {len(self._signature)} tensor inputs, the call has {len(tensors)}: "
-                f"{[n for n, _ in tensors]}"
-            )
-        sizes: dict[str, tuple[str, int, int]] = {}
-        for (name, t), spec in zip(tensors, self._signature):
-            if spec.dtype is not None and t.dtype != spec.dtype:
-                raise SignatureError(f"input '{name}': expected dtype {spec.dtype}, got {t.dtype}")
-            if t.dim() != len(spec.shape):
+    def _check_signature(self, call: Call) -> None:
+        """A call that breaks the declared signature or declared dim names raises before anything runs."""
+        tensors = [(n, t) for n, t in zip(call.names, call.feeds) if isinstance(t, _Tensor)]
+        declared: list[tuple[str, int, str]] = []  # (input, axis, dim name) declared by name
+        if self._signature:
+            if len(tensors) != len(self._signature):
                 raise SignatureError(
-                    f"input '{name}': expected rank {len(spec.shape)} {list(spec.shape)}, got shape {tuple(t.shape)}"
+                    f"signature declares {len(self._signature)} tensor inputs, the call has {len(tensors)}: "
+                    f"{[n for n, _ in tensors]}"
                 )
-            for axis, (want, got) in enumerate(zip(spec.shape, t.shape)):
-                if isinstance(want, int) and want != got:
-                    raise SignatureValueError(
-                        f"input '{name}' axis {axis}: expected size {want} {list(spec.shape)}, got {got}"
+            for (name, t), spec in zip(tensors, self._signature):
+                if spec.dtype is not None and t.dtype != spec.dtype:
+                    raise SignatureError(f"input '{name}': expected dtype {spec.dtype}, got {t.dtype}")
+                if t.dim() != len(spec.shape):
+                    raise SignatureError(
+                        f"input '{name}': expected rank {len(spec.shape)} {list(spec.shape)}, got shape {tuple(t.shape)}"
                     )
-                if isinstance(want, str):
-                    first = sizes.setdefault(want, (name, axis, got))
-                    if first[2] != got:
+                for axis, (want, got) in enumerate(zip(spec.shape, t.shape)):
+                    if isinstance(want, int) and want != got:
                         raise SignatureValueError(
-                            f"input '{name}' axis {axis}: dim '{want}' is {got}, but input '{first[0]}' "
-                            f"axis {first[1]} gave it {first[2]}"
+                            f"input '{name}' axis {axis}: expected size {want} {list(spec.shape)}, got {got}"
                         )
+                declared += [(name, a, d) for a, d in enumerate(spec.shape) if isinstance(d, str)]
+        shapes = dict(tensors)
+        for name, axes in self._dynamic_axes.items():
+            if name in shapes:
+                declared += [(name, a, d) for a, d in axes.items() if d and a < shapes[name].dim()]
+        first: dict[str, tuple[str, int, int]] = {}
+        for name, axis, dim in declared:
+            size = shapes[name].shape[axis]
+            seen = first.setdefault(dim, (name, axis, size))
+            if seen[2] != size:
+                raise SignatureValueError(
+                    f"input '{name}' axis {axis}: dim '{dim}' is {size}, but input '{seen[0]}' axis {seen[1]} "
+                    f"gave it {seen[2]} (equal dim names mean equal sizes)"
+                )
 
-    def _initial_dynamic(
-        self, feeds: list[Any], names: list[str], lifted: frozenset[int], positions: list[int]
-    ) -> list[dict[int, str | None]]:
+    def _initial_dynamic(self, call: Call) -> list[dict[int, str | None]]:
         """Dynamic axes of a new key's first capture, with declared dim names."""
         previous = dict(zip(self._current.feed_names, self._current.dynamic)) if self._current else {}
+        n_tensors = sum(isinstance(t, _Tensor) for t in call.feeds)
+        specs = iter(self._signature if len(self._signature) == n_tensors else ())
         dynamic = []
-        signature = self._signature if len(self._signature) == sum(isinstance(t, _Tensor) for t in feeds) else ()
-        specs = iter(signature)
-        for name, value, pos in zip(names, feeds, positions):
+        for name, value, pos in zip(call.names, call.feeds, call.positions):
             if not isinstance(value, _Tensor):
-                dynamic.append({0: None} if pos in lifted else {})
+                dynamic.append({0: None} if pos in call.lifted else {})
                 continue
             axes: dict[int, str | None] = {}
             if self._dynamic is True:
@@ -386,49 +422,52 @@ class CompiledFunction(Generic[P, R]):
                 axes = {a: n for a, n in previous.get(name, {}).items() if a < value.dim()}
             spec = next(specs, None)
             if spec is not None:
-                axes.update({a: (d if isinstance(d, str) else None) for a, d in enumerate(spec.shape) if not isinstance(d, int)})
-            axes.update(self._dynamic_axes.get(name, {}))
+                axes.update({a: d for a, d in enumerate(spec.shape) if not isinstance(d, int)})
+            axes.update({a: d for a, d in self._dynamic_axes.get(name, {}).items() if a < value.dim()})
             dynamic.append(axes)
-        unknown = set(self._dynamic_axes) - set(names)
-        self._pending_output_axes = {n: self._dynamic_axes[n] for n in unknown}
         return dynamic
 
-    def _check_output_axes(self, out: Any) -> None:
-        """dynamic_axes names that are neither inputs nor outputs are an error listing both."""
-        if not self._pending_output_axes:
+    def _check_output_axes(self, out: Any, call: Call) -> None:
+        """``dynamic_axes`` names that are neither inputs nor outputs: an error listing both."""
+        unknown = set(self._dynamic_axes) - set(call.names)
+        if not unknown:
             return
         leaves = _flatten(out)[0]
         outputs = self._output_names or trees.output_names(out, leaves)
-        unknown = sorted(set(self._pending_output_axes) - set(outputs))
+        unknown -= set(outputs)
         if unknown:
-            inputs = [n for n in self._current.feed_names] if self._current else []
-            raise CaptureError(
-                f"dynamic_axes names {unknown} match no input or output; inputs: {inputs or 'see input_names'}, "
-                f"outputs: {list(outputs)}"
+            raise SignatureValueError(
+                f"dynamic_axes: {sorted(unknown)} match no input or output; inputs: {call.names}, outputs: {list(outputs)}"
             )
+
+    @property
+    def _output_axes(self) -> dict[str, dict[int, str | None]]:
+        inputs = set(self._current.feed_names) if self._current else set()
+        return {n: a for n, a in self._dynamic_axes.items() if n not in inputs}
 
     def _initial_lift(self, leaves: list[Any]) -> frozenset[int]:
         if self._specialize is False:
             return frozenset(i for i, v in enumerate(leaves) if type(v) is int)
         return _NO_LIFT
 
-    def _lift_changed_numbers(
-        self, spec: Any, leaves: list[Any], lifted: frozenset[int], leaf_names: list[str]
-    ) -> tuple[frozenset[int], list[str]]:
-        """``specialize=None``: an int whose value changed since the last capture becomes a graph input."""
-        if self._specialize is not None or self._last_key is None or self._last_key[0] != spec:
-            return lifted, []
-        last_statics = self._last_key[1]
-        static_positions = [i for i, v in enumerate(leaves) if not isinstance(v, _Tensor) and i not in lifted]
+    def _lift_changed_numbers(self, call: Call) -> tuple[frozenset[int], list[str]]:
+        """``specialize=None``: an int whose value changed since the last capture becomes a graph input.
+
+        Floats stay baked: torch.export specialises Python floats, so lifting them cannot export.
+        """
+        last = self._last_key
+        if self._specialize is not None or last is None or last[0] != call.spec or last[3] != call.key[3]:
+            return call.lifted, []
+        statics = [i for i, v in enumerate(call.leaves) if not isinstance(v, _Tensor)]
         changed = []
-        for i, old in zip(static_positions, last_statics):
-            value = leaves[i]
+        for i, name, old in zip(statics, call.static_names, last[1]):
+            value = call.leaves[i]
             if type(value) is int and isinstance(old, tuple) and old[0] is int and old[1] != value:
-                changed.append((i, old[1], value))
+                changed.append((i, name, old[1], value))
         if not changed:
-            return lifted, []
-        reasons = [f"static value changed: '{leaf_names[i]}' {a} -> {b}; it becomes a graph input" for i, a, b in changed]
-        return lifted | {i for i, _, _ in changed}, reasons
+            return call.lifted, []
+        reasons = [f"static value changed: '{n}' {a} -> {b}; it becomes a graph input" for _, n, a, b in changed]
+        return call.lifted | {i for i, *_ in changed}, reasons
 
     def _place_for(self, feeds: list[Any]) -> serving.Place:
         if self._place is not None:
@@ -449,8 +488,8 @@ def _user_level() -> int:
     return level
 
 
-def _feed_positions(leaves: list[Any], lifted: frozenset[int]) -> list[int]:
-    return [i for i, v in enumerate(leaves) if isinstance(v, _Tensor) or i in lifted]
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _has_dynamic(spec: TensorSpec) -> bool:

@@ -98,6 +98,7 @@ def export_graph(
     output_dtypes: Sequence[torch.dtype | None],
     dynamic: Sequence[Mapping[int, str | None]],
     graph_name: str,
+    output_dims: Mapping[str, Mapping[int, str | None]] | None = None,
     optimize: bool = True,
     owner: torch.nn.Module | None = None,
 ) -> ExportedGraph:
@@ -113,6 +114,8 @@ def export_graph(
         dynamic: per input, the axes to leave dynamic, each with a dim name or ``None`` (named
             after the first input and axis that carry it). The exporter may prove some static.
         graph_name: the ONNX graph's name.
+        output_dims: per output name, axes to name (``None``: the default name); naming only: an
+            output's dims are dynamic exactly when the graph computes them from dynamic inputs.
         optimize: run the exporter's portable optimisations (constant folding, dead code).
         owner: the module whose weights the graph carries, if any.
 
@@ -140,7 +143,7 @@ def export_graph(
     dtypes = [_leaf_dtype(output_dtypes[i]) for i in graph_leaves]
     graph_edits.fix_outputs(model, names, dtypes)
     declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
-    renames = graph_edits.name_dims(model, declared)
+    renames = graph_edits.name_dims(model, declared, output_dims or {})
     model.graph.name = graph_name
     return ExportedGraph(
         model_proto=ir.to_proto(model),

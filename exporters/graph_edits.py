@@ -58,10 +58,13 @@ def name_inputs(model: ir.Model, names: Sequence[str]) -> None:
         value.name = name
 
 
-def name_dims(model: ir.Model, declared: Sequence[Mapping[int, str]]) -> dict[str, str]:
+def name_dims(
+    model: ir.Model, declared: Sequence[Mapping[int, str]], declared_outputs: Mapping[str, Mapping[int, str | None]]
+) -> dict[str, str]:
     """Replace exporter symbols (``s77``) by meaningful dim names everywhere in the graph.
 
-    ``declared[i]`` maps axes of input ``i`` to user-given names. Any other symbol is named after the
+    ``declared[i]`` maps axes of input ``i`` to user-given names, ``declared_outputs`` axes of
+    outputs by output name (inputs win where both name one symbol). Any other symbol is named after the
     first input and axis that carries it (``input_ids_dim1``); a symbol seen only on an output is
     named after that output. Returns the mapping symbol -> name that was applied.
     """
@@ -83,6 +86,11 @@ def name_dims(model: ir.Model, declared: Sequence[Mapping[int, str]]) -> dict[st
         for axis, dim in enumerate(value.shape or ()):
             if isinstance(dim, ir.SymbolicDim) and dim.value is not None and axis in names:
                 claim(dim.value, names[axis])
+    for value in graph.outputs:
+        for axis, name in declared_outputs.get(value.name, {}).items():
+            dims = value.shape or ()
+            if name and axis < len(dims) and isinstance(dims[axis], ir.SymbolicDim) and dims[axis].value:
+                claim(dims[axis].value, name)
     for value in list(graph.inputs) + list(graph.outputs):
         for axis, dim in enumerate(value.shape or ()):
             if isinstance(dim, ir.SymbolicDim) and dim.value is not None and _SYMBOL.fullmatch(dim.value):

@@ -123,16 +123,23 @@ def test_grad_mode_with_an_input_requiring_grad_stays_eager():
     assert not served.requires_grad and f.recapture_count == 0
 
 
+class _TrainDoubles(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if self.training else x
+
+
 def test_training_flag_is_part_of_the_key():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
-    model.eval()
+    model = _TrainDoubles().eval()
     f = cr.compile(model)
     x = torch.ones(2, 4)
-    with torch.no_grad():
-        torch.testing.assert_close(f(x), model(x))
-        model.train()
-        f(x)
-    assert f.recapture_reasons[0] == "module training flag changed: False -> True"
+    torch.testing.assert_close(f(x), x)
+    model.train()
+    torch.testing.assert_close(f(x), x * 2)
+    torch.testing.assert_close(f(x), x * 2)
+    model.eval()
+    torch.testing.assert_close(f(x), x)
+    assert f.recapture_reasons == ["module training flag changed: False -> True"]
+    assert f.state is State.Compiled
 
 
 def test_a_graph_that_disagrees_with_eager_is_never_served():
