@@ -71,12 +71,15 @@ class _Flat(torch.nn.Module):
 
 
 def _dynamic_shapes(examples: Sequence[Any], dynamic: Sequence[Mapping[int, Any]]) -> tuple:
+    # Dim.AUTO, not Dim.DYNAMIC or named Dims: an axis the model forces static (a reshape to a
+    # constant, a matmul with a weight) is exported static instead of failing the export; the
+    # guard then keeps it static, and user-declared equal names are enforced by the guard too.
     specs = []
     for value, axes in zip(examples, dynamic):
         if isinstance(value, torch.Tensor):
-            specs.append({axis: Dim.DYNAMIC for axis in axes} or None)
+            specs.append({axis: Dim.AUTO for axis in axes} or None)
         else:  # a lifted Python number: dynamic when asked, else baked
-            specs.append(Dim.DYNAMIC if axes else None)
+            specs.append(Dim.AUTO if axes else None)
     return (tuple(specs),)
 
 

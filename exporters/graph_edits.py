@@ -72,11 +72,13 @@ def name_dims(
     renames: dict[str, str] = {}
     taken: set[str] = set()
 
-    def claim(symbol: str, name: str) -> None:
+    def claim(symbol: str, name: str, declared: bool = False) -> None:
+        # Declared names may cover several symbols (equal names mean equal sizes); a discovered
+        # name never reuses a taken one.
         if symbol in renames:
             return
         base, k = name, 1
-        while name in taken:
+        while name in taken and not declared:
             k += 1
             name = f"{base}_{k}"
         renames[symbol] = name
@@ -85,12 +87,12 @@ def name_dims(
     for value, names in zip(graph.inputs, declared):
         for axis, dim in enumerate(value.shape or ()):
             if isinstance(dim, ir.SymbolicDim) and dim.value is not None and axis in names:
-                claim(dim.value, names[axis])
+                claim(dim.value, names[axis], declared=True)
     for value in graph.outputs:
         for axis, name in declared_outputs.get(value.name, {}).items():
             dims = value.shape or ()
             if name and axis < len(dims) and isinstance(dims[axis], ir.SymbolicDim) and dims[axis].value:
-                claim(dims[axis].value, name)
+                claim(dims[axis].value, name, declared=True)
     for value in list(graph.inputs) + list(graph.outputs):
         for axis, dim in enumerate(value.shape or ()):
             if isinstance(dim, ir.SymbolicDim) and dim.value is not None and _SYMBOL.fullmatch(dim.value):

@@ -1,0 +1,243 @@
+"""What a graph may vary over: dynamic, dynamic_axes, signature, specialize, and named dims."""
+
+from __future__ import annotations
+
+import re
+
+import onnx
+import pytest
+import torch
+
+import clika_runtime as cr
+from clika_runtime import SignatureError, SignatureValueError, TensorSpec
+from conftest import Counted, TinyNet
+
+State = cr.CompiledFunction.State
+_EXPORTER_SYMBOL = re.compile(r"\b[su]\d+\b")
+
+
+def _all_dim_params(model: onnx.ModelProto) -> set[str]:
+    values = list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info)
+    return {d.dim_param for v in values for d in v.type.tensor_type.shape.dim if d.dim_param}
+
+
+def _graph_dims(f) -> dict[str, list]:
+    graph = f.take_graph()
+    return {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in list(graph.model_proto.graph.input) + list(graph.model_proto.graph.output)
+    }
+
+
+# ------------------------------------------------------------------------------------------ dynamic
+
+
+def test_dynamic_none_accumulates_drifted_axes_and_keeps_hidden_size_static():
+    model = TinyNet().eval()
+    f = cr.compile(model)
+    with torch.no_grad():
+        f(torch.randn(2, 5, 8))
+        f(torch.randn(2, 9, 8))  # sequence drifts
+        f(torch.randn(4, 9, 8))  # then batch
+        out = f(torch.randn(3, 11, 8))
+        torch.testing.assert_close(out.shape, torch.Size([3, 11, 8]))
+    assert f.recapture_count == 2
+    dims = _graph_dims(f)
+    assert dims["x"] == ["x_dim0", "x_dim1", 8]  # the hidden size never became dynamic
+
+
+def test_dynamic_true_makes_every_axis_dynamic_from_the_first_capture():
+    target = Counted(lambda x: x.softmax(-1))
+    f = cr.compile(target, dynamic=True)
+    f(torch.randn(2, 3))
+    calls = target.calls
+    for shape in [(5, 7), (1, 1), (9, 2)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(f(x), x.softmax(-1))
+    assert target.calls == calls and f.recapture_count == 0
+    assert _graph_dims(f)["x"] == ["x_dim0", "x_dim1"]
+
+
+def test_dynamic_true_keeps_axes_the_exporter_proves_static_guarded():
+    weight = torch.randn(4, 3)
+    f = cr.compile(lambda x: x @ weight, dynamic=True)  # x's last axis must be 4
+    f(torch.randn(2, 4))
+    f(torch.randn(7, 4))
+    assert f.recapture_count == 0
+    g = cr.compile(lambda x: x.reshape(2, 3) * 2, dynamic=True)  # the reshape fixes x's size
+    g(torch.randn(6))
+    torch.testing.assert_close(g(torch.arange(6.0)), torch.arange(6.0).reshape(2, 3) * 2)
+    torch.testing.assert_close(g(torch.randn(3, 2).flatten()).shape, torch.Size([2, 3]))
+    assert g.state is State.Compiled
+
+
+def test_dynamic_false_puts_shapes_in_the_key():
+    target = Counted(lambda x: x + 1)
+    f = cr.compile(target, dynamic=False)
+    for n in (2, 3, 2, 3):
+        torch.testing.assert_close(f(torch.zeros(n)), torch.ones(n))
+    assert f.recapture_count == 1
+    assert "shape (2,) -> rank" not in f.recapture_reasons[0] and "(3,)" in f.recapture_reasons[0]
+    assert _all_dim_params(f.take_graph().model_proto) == set()
+
+
+# ------------------------------------------------------------------------------------- dynamic_axes
+
+
+def test_dynamic_axes_dict_form_names_dims_for_inputs_and_outputs():
+    model = TinyNet().eval()
+    f = cr.compile(model, dynamic_axes={"x": {0: "batch", 1: "seq"}, "mask": {0: "batch", 1: "seq"},
+                                        "output": {1: "seq"}})
+    with torch.no_grad():
+        f(torch.randn(2, 5, 8), torch.ones(2, 5))
+        f(torch.randn(3, 7, 8), torch.ones(3, 7))
+    assert f.recapture_count == 0
+    dims = _graph_dims(f)
+    assert dims == {"x": ["batch", "seq", 8], "mask": ["batch", "seq"], "output": ["batch", "seq", 8]}
+
+
+def test_dynamic_axes_list_form():
+    f = cr.compile(lambda x: x.cumsum(0), dynamic_axes={"x": [0]})
+    f(torch.randn(3, 2))
+    f(torch.randn(6, 2))
+    assert f.recapture_count == 0
+    assert _graph_dims(f)["x"] == ["x_dim0", 2]
+
+
+def test_equal_dim_names_mean_equal_sizes():
+    f = cr.compile(lambda a, b: a.sum() + b.sum(), dynamic_axes={"a": {0: "n"}, "b": {0: "n"}})
+    f(torch.ones(3), torch.ones(3))
+    with pytest.raises(SignatureValueError, match=r"input 'b' axis 0: dim 'n' is 4, but input 'a' axis 0 gave it 3"):
+        f(torch.ones(3), torch.ones(4))
+
+
+def test_unknown_dynamic_axes_name_lists_the_valid_names():
+    f = cr.compile(lambda x: x + 1, dynamic_axes={"y": [0]})
+    with pytest.raises(SignatureValueError, match=r"\['y'\] match no input or output; inputs: \['x'\], outputs: \['output'\]"):
+        f(torch.ones(2))
+
+
+# ---------------------------------------------------------------------------------------- signature
+
+
+def test_signature_is_dynamic_from_the_first_capture_and_names_inputs():
+    target = Counted(lambda a, b: a @ b)
+    f = cr.compile(target, signature=[TensorSpec(["n", 4], torch.float32, "lhs"), TensorSpec([4, None], name="rhs")])
+    f(torch.randn(2, 4), torch.randn(4, 3))
+    calls = target.calls
+    torch.testing.assert_close(f(torch.ones(5, 4), torch.ones(4, 6)), torch.full((5, 6), 4.0))
+    assert target.calls == calls
+    assert f.input_names == ["lhs", "rhs"]
+    assert _graph_dims(f)["lhs"] == ["n", 4]
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        ((torch.ones(2, 4),), SignatureError, r"declares 2 tensor inputs, the call has 1"),
+        ((torch.ones(2, 4, dtype=torch.float64), torch.ones(4, 3)), SignatureError,
+         r"input 'lhs': expected dtype torch.float32, got torch.float64"),
+        ((torch.ones(2, 4, 1), torch.ones(4, 3)), SignatureError, r"input 'lhs': expected rank 2 \['n', 4\], got shape \(2, 4, 1\)"),
+        ((torch.ones(2, 5), torch.ones(4, 3)), SignatureValueError, r"input 'lhs' axis 1: expected size 4 \['n', 4\], got 5"),
+    ],
+)
+def test_a_call_breaking_the_signature_raises_before_anything_runs(args, error, message):
+    target = Counted(lambda a, b=None: a)
+    f = cr.compile(target, signature=[TensorSpec(["n", 4], torch.float32, "lhs"), TensorSpec([4, None], name="rhs")])
+    with pytest.raises(error, match=message):
+        f(*args)
+    assert target.calls == 0
+    assert issubclass(SignatureError, TypeError) and issubclass(SignatureValueError, ValueError)
+
+
+# ------------------------------------------------------------------------------------ sizes 0 and 1
+
+
+def test_first_capture_at_size_one_then_drift_serves_one_and_other_sizes():
+    target = Counted(lambda x, y: (x + y).sum(0))
+    f = cr.compile(target)
+    f(torch.randn(1, 3), torch.randn(1, 3))
+    f(torch.randn(4, 3), torch.randn(4, 3))  # drift: axis 0 dynamic
+    calls = target.calls
+    for n in (1, 6, 1):
+        x, y = torch.randn(n, 3), torch.randn(n, 3)
+        torch.testing.assert_close(f(x, y), (x + y).sum(0))
+    assert target.calls == calls and f.recapture_count == 1
+
+
+def test_zero_size_axes_work():
+    f = cr.compile(lambda x: x * 2 + 1, dynamic=True)
+    f(torch.randn(3, 2))
+    out = f(torch.randn(0, 2))
+    assert out.shape == (0, 2)
+    g = cr.compile(lambda x: x.sum(-1))
+    torch.testing.assert_close(g(torch.randn(2, 0)), torch.zeros(2))
+    torch.testing.assert_close(g(torch.randn(2, 0)), torch.zeros(2))
+
+
+# ---------------------------------------------------------------------------------------- dim names
+
+
+def test_no_exporter_symbol_reaches_a_saved_graph(tmp_path):
+    model = TinyNet().eval()
+    f = cr.compile(model, dynamic=True)
+    with torch.no_grad():
+        f(torch.randn(2, 5, 8), torch.ones(2, 5))
+    path = f.take_graph().save(tmp_path / "m.onnx")
+    model_proto = onnx.load(str(path))
+    names = _all_dim_params(model_proto)
+    assert names and not any(_EXPORTER_SYMBOL.search(n) for n in names), names
+    assert {"x_dim0", "x_dim1"} <= names
+
+
+# ---------------------------------------------------------------------------------------- specialize
+
+
+def _scale_rows(x, k, alpha):
+    return x[:k] * alpha
+
+
+def test_specialize_true_bakes_every_number():
+    f = cr.compile(_scale_rows, specialize=True)
+    x = torch.randn(6, 2)
+    for k in (2, 3, 2):
+        torch.testing.assert_close(f(x, k, 0.5), _scale_rows(x, k, 0.5))
+    assert f.recapture_count == 1
+    assert f.input_names == ["x"]
+
+
+def test_specialize_false_lifts_ints_from_the_first_capture_floats_stay_baked():
+    target = Counted(_scale_rows)
+    f = cr.compile(target, specialize=False)
+    x = torch.randn(6, 2)
+    f(x, 2, 0.5)
+    assert f.input_names == ["x", "k"]
+    calls = target.calls
+    for k in (3, 5, 1):
+        torch.testing.assert_close(f(x, k, 0.5), _scale_rows(x, k, 0.5))
+    assert target.calls == calls and f.recapture_count == 0
+    torch.testing.assert_close(f(x, 3, 2.0), _scale_rows(x, 3, 2.0))  # a float change re-captures
+    assert f.recapture_reasons == ["static value changed: 'alpha' 0.5 -> 2.0"]
+
+
+def test_specialize_none_lifts_an_int_when_its_value_changes():
+    target = Counted(lambda x, n: x.repeat(n, 1) + n)
+    f = cr.compile(target)
+    x = torch.randn(1, 2)
+    f(x, 2)
+    assert f.input_names == ["x"]
+    f(x, 3)
+    assert f.recapture_reasons == ["static value changed: 'n' 2 -> 3; it becomes a graph input"]
+    assert f.input_names == ["x", "n"]
+    calls = target.calls
+    for n in (4, 1, 7):
+        torch.testing.assert_close(f(x, n), x.repeat(n, 1) + n)
+    assert target.calls == calls and f.recapture_count == 1
+
+
+def test_bools_and_strings_always_stay_static():
+    f = cr.compile(lambda x, flag, mode: x + 1 if flag and mode == "a" else x, specialize=False)
+    x = torch.zeros(2)
+    torch.testing.assert_close(f(x, True, "a"), x + 1)
+    torch.testing.assert_close(f(x, False, "a"), x)
+    assert f.input_names == ["x"] and f.recapture_count == 1
