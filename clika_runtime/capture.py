@@ -14,7 +14,7 @@ import torch
 import exporters
 import serving
 from clika_runtime import graph as graph_mod
-from clika_runtime import trees
+from clika_runtime import treedesc, trees
 from clika_runtime.errors import CaptureError, VerificationError
 from clika_runtime.guards import ShapeGuard
 from clika_runtime.verify import first_mismatch
@@ -190,9 +190,9 @@ def _attach_metadata(
     eager_leaves: list[Any], scalar_out: dict[int, type],
 ) -> None:
     feeds = set(request.feed_positions)
-    in_leaves = {p: trees.static_leaf(v) for p, v in enumerate(request.leaves) if p not in feeds}
+    in_leaves = {p: treedesc.static_leaf(v) for p, v in enumerate(request.leaves) if p not in feeds}
     out_leaves: dict[int, dict[str, Any]] = {
-        pos: trees.static_leaf(value) for pos, value in exported.constants.items()
+        pos: treedesc.static_leaf(value) for pos, value in exported.constants.items()
     }
     for pos, kind in scalar_out.items():
         out_leaves[pos] = {"kind": "scalar", "type": _SCALARS[kind]}
@@ -200,8 +200,8 @@ def _attach_metadata(
         exported.model_proto,
         {
             graph_mod.META_VERSION: graph_mod.VERSION,
-            graph_mod.META_INPUTS: trees.describe(request.spec, in_leaves),
-            graph_mod.META_OUTPUTS: trees.describe(out_spec, out_leaves),
+            graph_mod.META_INPUTS: treedesc.describe(request.spec, in_leaves),
+            graph_mod.META_OUTPUTS: treedesc.describe(out_spec, out_leaves),
             graph_mod.META_DIMS: {n: list(d) for n, d in zip(request.feed_names, exported.input_dims)},
             graph_mod.META_PARAMETERS: list(request.parameters),
         },

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import serving
-from clika_runtime import trees
+from clika_runtime import treedesc
 from clika_runtime.errors import GraphFileError, GraphInputError, PlaceError
 from clika_runtime.specs import PlaceLike
 
@@ -103,7 +103,7 @@ class ModelGraph:
         if external_data:
             onnx.save_model(
                 self._proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                location=f"{path.name}.data", size_threshold=1024,
+                location=f"{path.name}.data", size_threshold=0,
             )
             # save_model moved the weights out of the in-memory proto: bring them back.
             onnx.load_external_data_for_model(self._proto, str(path.parent))
@@ -197,7 +197,7 @@ class ServedGraph:
         outs = self._run_torch(feeds) if is_torch else self._numpy.run(feeds)
         if self._outputs is None:
             return dict(zip(self.output_names, outs))
-        return trees.rebuild(self._outputs, iter(outs))
+        return treedesc.rebuild(self._outputs, iter(outs))
 
     def _feeds(self, args: tuple, kwargs: dict) -> list[Any]:
         if self._inputs is None:  # plain ONNX: by position, then by name
@@ -221,8 +221,8 @@ class ServedGraph:
         try:
             for i, (desc, value) in enumerate(zip(args_desc["children"], args)):
                 name = self._parameters[i] if i < len(self._parameters) else f"args_{i}"
-                walked += trees.flatten_described(desc, value, name)
-            walked += trees.flatten_described(kwargs_desc, kwargs, "")
+                walked += treedesc.flatten_described(desc, value, name)
+            walked += treedesc.flatten_described(kwargs_desc, kwargs, "")
         except ValueError as e:
             raise GraphInputError(f"{e} (graph inputs: {self.input_names})") from None
         feeds = []

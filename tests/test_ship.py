@@ -1,0 +1,248 @@
+"""Ship and validate: ModelGraph, save/load, torch-free serving, the CLI and the testing helper."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from typing import NamedTuple
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import clika_runtime as cr
+from clika_runtime import GraphFileError, GraphInputError
+from clika_runtime.cli import main as cli
+from clika_runtime.testing import assert_graph_matches_eager
+from clika_runtime.validation import save_reference
+
+
+class Heads(NamedTuple):
+    logits: torch.Tensor
+    length: int
+
+
+class Tagger(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, tokens, mode="tags", extra=None):
+        h = self.embed(tokens)
+        out = {"heads": Heads(self.head(h), tokens.shape[1]), "mode": mode}
+        if extra is not None:
+            out["pooled"] = (h * extra["scale"][..., None]).mean(1)
+        return out
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    model = Tagger().eval()
+    f = cr.compile(model)
+    tokens = torch.randint(0, 10, (2, 5))
+    with torch.no_grad():
+        f(tokens, extra={"scale": torch.ones(2, 5)})
+        f(torch.randint(0, 10, (2, 7)), extra={"scale": torch.ones(2, 7)})  # sequence axis dynamic
+    graph = f.take_graph()
+    folder = tmp_path_factory.mktemp("ship")
+    return model, graph, graph.save(folder / "tagger.onnx"), folder
+
+
+def _expected(model, tokens, scale):
+    with torch.no_grad():
+        return model(tokens, extra={"scale": scale})
+
+
+def test_model_graph_describes_itself(shipped):
+    _, graph, _, _ = shipped
+    assert graph.input_names == ["tokens", "extra_scale"]
+    assert graph.output_names == ["heads_logits", "heads_length", "pooled"]
+    assert graph.dynamic_axes["tokens"] == {1: "tokens_dim1"}
+    meta = {p.key: p.value for p in graph.model_proto.metadata_props}
+    assert meta["clika_runtime.version"] == cr.__version__
+    assert json.loads(meta["clika_runtime.dims"])["tokens"] == [2, "tokens_dim1"]
+
+
+def test_saved_graph_passes_the_full_checker_and_runs_in_plain_onnxruntime(shipped):
+    model, _, path, _ = shipped
+    onnx.checker.check_model(str(path), full_check=True)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    tokens, scale = torch.randint(0, 10, (2, 9)), torch.rand(2, 9)
+    logits, length, pooled = session.run(None, {"tokens": tokens.numpy(), "extra_scale": scale.numpy()})
+    expected = _expected(model, tokens, scale)
+    np.testing.assert_allclose(logits, expected["heads"].logits.numpy(), rtol=1e-4, atol=1e-5)
+    assert int(length) == 9
+
+
+def test_load_serves_the_same_pytrees_torch_in_torch_out(shipped):
+    model, _, path, _ = shipped
+    served = cr.load(path, place="cpu")
+    tokens, scale = torch.randint(0, 10, (2, 4)), torch.rand(2, 4)
+    out = served(tokens, extra={"scale": scale})
+    expected = _expected(model, tokens, scale)
+    assert list(out) == ["heads", "mode", "pooled"] and out["mode"] == "tags"
+    assert type(out["heads"]) is Heads and out["heads"].length == 4
+    assert isinstance(out["pooled"], torch.Tensor)
+    torch.testing.assert_close(out["pooled"], expected["pooled"])
+    numpy_out = served(tokens.numpy(), extra={"scale": scale.numpy()})
+    assert isinstance(numpy_out["pooled"], np.ndarray)
+
+
+def test_load_rejects_a_changed_static_value_and_bad_inputs(shipped):
+    _, _, path, _ = shipped
+    served = cr.load(path)
+    tokens, scale = np.zeros((2, 3), dtype=np.int64), np.ones((2, 3), dtype=np.float32)
+    with pytest.raises(GraphInputError, match=r"input mode: the graph was captured with the static value 'tags', got 'x'"):
+        served(tokens, "x", extra={"scale": scale})
+    with pytest.raises(GraphInputError, match=r"input 'tokens': expected dtype int64, got float32"):
+        served(tokens.astype(np.float32), extra={"scale": scale})
+    with pytest.raises(GraphInputError, match=r"input 'extra_scale': expected rank 2 \[2, tokens_dim1\], got shape \(3,\)"):
+        served(tokens, extra={"scale": scale[0]})
+    with pytest.raises(GraphInputError, match=r"input 'tokens' axis 0: expected size 2"):
+        served(np.zeros((5, 3), dtype=np.int64), extra={"scale": np.ones((5, 3), dtype=np.float32)})
+    with pytest.raises(GraphInputError, match=r"extra\['scale'\]: missing"):
+        served(tokens, extra={"other": scale})
+
+
+def test_load_works_without_torch_optree_or_onnx(shipped):
+    _, _, path, _ = shipped
+    script = textwrap.dedent(f"""
+        import sys
+        for name in ("torch", "optree", "onnx", "transformers"):
+            sys.modules[name] = None  # any import of these now fails
+        import numpy as np
+        import clika_runtime as cr
+        served = cr.load({str(path)!r})
+        out = served(np.zeros((2, 6), dtype=np.int64), extra={{"scale": np.ones((2, 6), dtype=np.float32)}})
+        heads = out["heads"]
+        print(type(heads).__name__, heads[0].shape, heads[1], out["pooled"].dtype, out["mode"])
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    # Heads lives in this test module, not importable there: it comes back as its fields in order.
+    assert result.stdout.split() == ["tuple", "(2,", "6,", "3)", "6", "float32", "tags"]
+
+
+def test_external_data_on_request_and_model_graph_load(shipped, tmp_path):
+    model, graph, _, _ = shipped
+    path = graph.save(tmp_path / "ext.onnx", external_data=True)
+    assert (tmp_path / "ext.onnx.data").is_file()
+    assert graph.model_proto.graph.initializer[0].data_location == onnx.TensorProto.DEFAULT  # proto untouched
+    loaded = cr.ModelGraph.load(path)
+    assert loaded.input_names == graph.input_names and loaded.output_names == graph.output_names
+    served = loaded.serve("cpu")
+    tokens, scale = torch.randint(0, 10, (2, 3)), torch.rand(2, 3)
+    torch.testing.assert_close(served(tokens, extra={"scale": scale})["pooled"], _expected(model, tokens, scale)["pooled"])
+
+
+def test_broken_files_give_clear_errors(shipped, tmp_path):
+    _, graph, path, _ = shipped
+    with pytest.raises(GraphFileError, match="no such file"):
+        cr.load(tmp_path / "missing.onnx")
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(GraphFileError, match="truncated or corrupt"):
+        cr.load(truncated)
+    with pytest.raises(GraphFileError, match="truncated or corrupt"):
+        cr.ModelGraph.load(truncated)
+    ext = graph.save(tmp_path / "ext.onnx", external_data=True)
+    (tmp_path / "ext.onnx.data").unlink()
+    with pytest.raises(GraphFileError, match="external data"):
+        cr.load(ext)
+
+
+def test_plain_onnx_from_elsewhere_loads_flat_by_name(tmp_path):
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Add", ["a", "b"], ["sum"])
+    graph = helper.make_graph([node], "plain", [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n"]) for n in "ab"],
+                              [helper.make_tensor_value_info("sum", TensorProto.FLOAT, ["n"])])
+    path = tmp_path / "plain.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    served = cr.load(path)
+    out = served(np.ones(3, np.float32), b=np.ones(3, np.float32))
+    np.testing.assert_array_equal(out["sum"], np.full(3, 2.0, np.float32))
+    with pytest.raises(GraphInputError, match=r"graph inputs are \['a', 'b'\]; missing \['b'\]"):
+        served(np.ones(3, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_inspect_table_and_json(shipped, capsys):
+    _, _, path, _ = shipped
+    assert cli(["inspect", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "tokens" in table and "tokens_dim1" in table and "Gather" in table
+    assert cli(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["inputs"][0] == {"name": "tokens", "dtype": "int64", "dims": [2, "tokens_dim1"]}
+    assert info["nodes"] > 0 and "clika_runtime.outputs" in info["metadata"]
+
+
+def test_cli_validate_passes_fails_and_rejects_unknown_dims(shipped, capsys, tmp_path):
+    model, _, path, _ = shipped
+    assert cli(["validate", str(path), "--dims", "tokens_dim1=1,4,16"]) == 0
+    out = capsys.readouterr().out
+    assert "runs at tokens_dim1=16" in out and out.strip().endswith("passed, 0 failed")
+    tokens, scale = torch.randint(0, 10, (2, 6)), torch.rand(2, 6)
+    expected = _expected(model, tokens, scale)
+    good, bad = tmp_path / "good.npz", tmp_path / "bad.npz"
+    inputs = {"tokens": tokens, "extra_scale": scale}
+    save_reference(good, inputs, {"pooled": expected["pooled"]})
+    save_reference(bad, inputs, {"pooled": expected["pooled"] + 1})
+    assert cli(["validate", str(path), "--reference", str(good)]) == 0
+    assert cli(["validate", str(path), "--reference", str(bad)]) == 1
+    assert "output 'pooled': max |diff| 1" in capsys.readouterr().out
+    assert cli(["validate", str(path), "--dims", "seq=1,2"]) == 2
+    assert "unknown dim name(s) ['seq']; this graph's dynamic dims are ['tokens_dim1']" in capsys.readouterr().err
+
+
+def test_cli_validate_reports_a_broken_graph(tmp_path, capsys):
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not an onnx model")
+    assert cli(["validate", str(broken)]) == 1
+    assert "onnx checker (full)  FAIL" in capsys.readouterr().out
+
+
+def test_cli_export_from_factories_and_from_a_signature(tmp_path, monkeypatch, capsys):
+    (tmp_path / "zoo_models.py").write_text(textwrap.dedent("""
+        import torch
+        def model():
+            return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU()).eval()
+        def example():
+            return (torch.randn(3, 8),)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "a.onnx"
+    assert cli(["export", "zoo_models:model", "--inputs", "zoo_models:example", "--out", str(out)]) == 0
+    assert cr.ModelGraph.load(out).input_names == ["input"]
+    out = tmp_path / "b.onnx"
+    assert cli(["export", "zoo_models:model", "--signature", "x:float32[batch,8]", "--out", str(out)]) == 0
+    graph = cr.ModelGraph.load(out)
+    assert graph.input_names == ["x"] and graph.dynamic_axes["x"] == {0: "batch"}
+    assert cli(["export", "zoo_models:nothing", "--signature", "x:float32[2]", "--out", str(out)]) == 2
+    assert "has no attribute nothing" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ testing helper
+
+
+def test_testing_helper_passes_for_a_faithful_graph():
+    f = assert_graph_matches_eager(torch.nn.GELU(), [(torch.randn(2, 3),), (torch.randn(5, 3),)])
+    assert f.recapture_count == 1
+
+
+def test_testing_helper_names_the_output_and_worst_difference():
+    cr.config.tolerances = {"float32": (0.5, 0.5)}  # let a noisy graph through verification
+
+    def noisy(x):
+        return {"clean": x * 2, "noisy": x + torch.rand_like(x) * 0.1}
+
+    with pytest.raises(AssertionError, match=r"example 0: output 'noisy' differs from eager \(worst \|diff\| 0\.\d+"):
+        assert_graph_matches_eager(noisy, [torch.zeros(50)])
