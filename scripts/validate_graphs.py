@@ -1,0 +1,44 @@
+"""CI graph validation on a small zoo: capture each workload at two sizes, check the graph matches
+eager (clika_runtime.testing), save it, and validate the file as `clika-runtime validate` does.
+
+Exit code 0 only when every graph passed. Run by the test suite (tests/test_zoo.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import build  # noqa: E402
+
+from clika_runtime.testing import assert_graph_matches_eager  # noqa: E402
+from clika_runtime.validation import validate_graph  # noqa: E402
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    failed = []
+    with tempfile.TemporaryDirectory() as folder:
+        for workload in build():
+            examples = [workload.inputs(size) for size in workload.sizes]
+            try:
+                f = assert_graph_matches_eager(workload.model, examples, rtol=1e-4, atol=1e-4)
+            except AssertionError as e:
+                print(f"{workload.name}: graph does not match eager: {e}")
+                failed.append(workload.name)
+                continue
+            path = f.take_graph().save(Path(folder) / f"{workload.name}.onnx")
+            report = validate_graph(path)
+            print(report.table().replace(str(path), workload.name), end="\n\n")
+            if not report.passed:
+                failed.append(workload.name)
+    print("zoo:", "all graphs valid" if not failed else f"failed: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
