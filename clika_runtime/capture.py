@@ -29,7 +29,8 @@ class CaptureRequest:
     target: Callable[..., Any]
     owner: torch.nn.Module | None
     leaves: list[Any]
-    spec: optree.PyTreeSpec
+    spec: optree.PyTreeSpec  # of (args, kwargs), or of args alone when has_kwargs is False
+    has_kwargs: bool
     feed_positions: list[int]
     feed_names: list[str]
     dynamic: list[dict[int, str | None]]
@@ -147,13 +148,13 @@ def _output_names(request: CaptureRequest, eager_leaves: list[Any]) -> list[str]
 def _export(request: CaptureRequest, names: list[str], eager_leaves: list[Any]) -> exporters.ExportedGraph:
     template = list(request.leaves)
     positions = request.feed_positions
-    spec, target = request.spec, request.target
+    target = request.target
 
     def flat(*feeds: Any) -> list[Any]:
         leaves = list(template)
         for pos, value in zip(positions, feeds):
             leaves[pos] = value
-        args, kwargs = spec.unflatten(leaves)
+        args, kwargs = _call_tree(request, leaves)
         return trees.flatten(target(*args, **kwargs))[0]
 
     examples = [request.leaves[p] for p in positions]
@@ -172,6 +173,11 @@ def _export(request: CaptureRequest, names: list[str], eager_leaves: list[Any]) 
         )
     except RuntimeError as e:
         raise CaptureError(f"the exporter failed: {e}") from e
+
+
+def _call_tree(request: CaptureRequest, leaves: list[Any]) -> tuple[tuple, dict]:
+    tree = request.spec.unflatten(leaves)
+    return tree if request.has_kwargs else (tree, {})
 
 
 def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: list[str]) -> None:
@@ -200,7 +206,7 @@ def _attach_metadata(
         exported.model_proto,
         {
             graph_mod.META_VERSION: graph_mod.VERSION,
-            graph_mod.META_INPUTS: treedesc.describe(request.spec, in_leaves),
+            graph_mod.META_INPUTS: treedesc.describe(trees.flatten(_call_tree(request, request.leaves))[1], in_leaves),
             graph_mod.META_OUTPUTS: treedesc.describe(out_spec, out_leaves),
             graph_mod.META_DIMS: {n: list(d) for n, d in zip(request.feed_names, exported.input_dims)},
             graph_mod.META_PARAMETERS: list(request.parameters),

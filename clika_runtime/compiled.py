@@ -20,7 +20,7 @@ from clika_runtime.calls import CallForms
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError, PlaceError, SignatureError, SignatureValueError, StateError
 from clika_runtime.graph import ModelGraph
-from clika_runtime.guards import describe_key_change, feed_meta, split
+from clika_runtime.guards import describe_key_change, key_parts
 from clika_runtime.specs import DynamicAxes, PlaceLike, TensorSpec
 
 P = ParamSpec("P")
@@ -133,6 +133,7 @@ class CompiledFunction(Generic[P, R]):
         self._forms = CallForms(target.forward if isinstance(target, torch.nn.Module) else target)
         self._signature = tuple(signature)
         self._dynamic = dynamic
+        self._shapes_in_key = dynamic is False
         self._fullgraph = bool(fullgraph)
         self._optimize = optimize is not False
         self._specialize = specialize
@@ -153,19 +154,18 @@ class CompiledFunction(Generic[P, R]):
         if self._state is _COMPILED:
             if kwargs:
                 args, kwargs = self._forms(args, kwargs)
-            leaves, spec = _flatten((args, kwargs))
-            feeds, statics = split(leaves, self._lifted.get(spec, _NO_LIFT))
+            leaves, spec = _flatten((args, kwargs)) if kwargs else _flatten(args)
+            lifted = self._lifted.get(spec, _NO_LIFT) if self._lifted else _NO_LIFT
+            feeds, statics, metas, grad = key_parts(leaves, lifted, self._shapes_in_key)
             owner = self._owner
-            key = (spec, statics, feed_meta(feeds, self._dynamic is False), owner.training if owner else None)
             try:
-                capture = self._captures.get(key)
+                capture = self._captures.get((spec, statics, metas, owner.training if owner is not None else None))
             except TypeError:  # an unhashable static leaf: the miss path explains it
                 capture = None
-            if capture is not None and capture.guard.matches(feeds):
-                if not (_grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in feeds)):
-                    if capture is not self._current:
-                        self._touch(capture)
-                    return capture.run(feeds)
+            if capture is not None and capture.guard.matches(feeds) and not (grad and _grad_enabled()):
+                if capture is not self._current:
+                    self._touch(capture)
+                return capture.run(feeds)
         return self._miss(args, kwargs)
 
     # --------------------------------------------------------------------------------- public state
@@ -229,7 +229,7 @@ class CompiledFunction(Generic[P, R]):
                 return self._target(*args, **kwargs)
             args, kwargs = self._forms(args, kwargs)
             trees.sync_registry()  # node types registered since the last miss flatten from now on
-            leaves, spec = _flatten((args, kwargs))
+            leaves, spec = _flatten((args, kwargs)) if kwargs else _flatten(args)
             call = self._call(args, kwargs, leaves, spec, self._lifted.get(spec, self._initial_lift(leaves)))
             self._check_signature(call)
             if _grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in call.feeds):
@@ -250,7 +250,8 @@ class CompiledFunction(Generic[P, R]):
                 if reasons:  # numbers became graph inputs: they leave the key
                     call = self._call(args, kwargs, leaves, spec, lifted)
                 elif self._last_key is not None:
-                    reasons = [describe_key_change(self._last_key, call.key, call.static_names, call.names)]
+                    tensor_names = [n for n, v in zip(call.names, call.feeds) if isinstance(v, _Tensor)]
+                    reasons = [describe_key_change(self._last_key, call.key, call.static_names, tensor_names)]
                 dynamic = self._initial_dynamic(call)
             if self._last_key is not None:
                 if self._recaptures >= config.recapture_limit:
@@ -262,7 +263,7 @@ class CompiledFunction(Generic[P, R]):
 
     def _call(self, args: tuple, kwargs: dict, leaves: list[Any], spec: Any, lifted: frozenset[int]) -> Call:
         """Flatten-side facts of one call under a given set of lifted numbers."""
-        feeds, statics = split(leaves, lifted)
+        feeds, statics, metas, _ = key_parts(leaves, lifted, self._shapes_in_key)
         positions = [i for i, v in enumerate(leaves) if isinstance(v, _Tensor) or i in lifted]
         leaf_names = self._leaf_names(args, kwargs, leaves)
         training = self._owner.training if self._owner is not None else None
@@ -270,7 +271,7 @@ class CompiledFunction(Generic[P, R]):
             args=args, kwargs=kwargs, leaves=leaves, spec=spec, lifted=lifted, feeds=feeds, positions=positions,
             names=self._feed_names(leaf_names, positions),
             static_names=[n for n, v in zip(leaf_names, leaves) if not isinstance(v, _Tensor)],
-            key=(spec, statics, feed_meta(feeds, self._dynamic is False), training),
+            key=(spec, statics, metas, training),
         )
 
     def _capture(self, call: Call, dynamic: list[dict[int, str | None]]) -> Any:
@@ -294,7 +295,10 @@ class CompiledFunction(Generic[P, R]):
                 capture = self._build(call, self._initial_dynamic(call), out)
             except CaptureError as e2:
                 return self._give_up(f"capture failed: {e2}", call.args, call.kwargs, result=out, cause=e2)
-        self._lifted[call.spec] = call.lifted
+        if call.lifted:
+            self._lifted[call.spec] = call.lifted
+        else:
+            self._lifted.pop(call.spec, None)
         self._captures[call.key] = capture
         self._touch(capture)
         while len(self._captures) > max(1, config.cache_size):
@@ -306,7 +310,7 @@ class CompiledFunction(Generic[P, R]):
     def _build(self, call: Call, dynamic: list[dict[int, str | None]], out: Any) -> capture_mod.Capture:
         request = capture_mod.CaptureRequest(
             target=self._target, owner=self._owner, leaves=call.leaves, spec=call.spec,
-            feed_positions=call.positions, feed_names=call.names, dynamic=dynamic, eager_out=out,
+            has_kwargs=bool(call.kwargs), feed_positions=call.positions, feed_names=call.names, dynamic=dynamic, eager_out=out,
             graph_name=self._graph_name, output_names=self._output_names, output_dims=self._output_axes,
             optimize=self._optimize, place=self._place_for(call.feeds), key=call.key, lifted=call.lifted,
             parameters=self._forms.positional,

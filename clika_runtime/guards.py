@@ -14,28 +14,32 @@ import torch
 _NAN = ("nan",)  # NaN != NaN would make every call with a NaN static leaf miss
 
 
-def split(leaves: Sequence[Any], lifted: frozenset[int]) -> tuple[list[Any], tuple[Any, ...]]:
-    """Leaves fed to the graph (tensors, lifted numbers) and the static part of the key."""
+def key_parts(
+    leaves: Sequence[Any], lifted: frozenset[int], with_shapes: bool
+) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...], bool]:
+    """One pass over a call's leaves: what the graph is fed, and what of the call joins the key.
+
+    Returns the fed leaves (tensors, lifted numbers), the static part of the key (type and value of
+    every other leaf; only the type of a lifted number), each fed tensor's dtype/rank/device (and
+    shape when ``with_shapes``), and whether any fed tensor requires grad.
+    """
     feeds = []
     statics = []
+    metas = []
+    grad = False
     for i, leaf in enumerate(leaves):
         kind = type(leaf)
         if isinstance(leaf, torch.Tensor):
             feeds.append(leaf)
-        elif i in lifted:
+            metas.append((leaf.dtype, leaf.dim(), leaf.device, leaf.shape) if with_shapes else (leaf.dtype, leaf.dim(), leaf.device))
+            grad = grad or leaf.requires_grad
+        elif lifted and i in lifted:
             feeds.append(leaf)
             statics.append(kind)
         else:
             # type joins the value: 1, 1.0 and True hash alike but must not share a capture
             statics.append((kind, leaf) if kind is not float or leaf == leaf else (kind, _NAN))
-    return feeds, tuple(statics)
-
-
-def feed_meta(feeds: Sequence[Any], with_shapes: bool) -> tuple[Any, ...]:
-    """What of each fed leaf joins the key: dtype, rank, device (and shape when dynamic=False)."""
-    if with_shapes:
-        return tuple((t.dtype, t.dim(), t.device, t.shape) if isinstance(t, torch.Tensor) else type(t) for t in feeds)
-    return tuple((t.dtype, t.dim(), t.device) if isinstance(t, torch.Tensor) else type(t) for t in feeds)
+    return feeds, tuple(statics), tuple(metas), grad
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ class ShapeGuard:
         return axes, reasons
 
 
-def describe_key_change(old: tuple, new: tuple, static_names: Sequence[str], feed_names: Sequence[str]) -> str:
+def describe_key_change(old: tuple, new: tuple, static_names: Sequence[str], tensor_names: Sequence[str]) -> str:
     """Why ``new`` missed the cache, in words, by diffing it against the closest previous key."""
     old_spec, old_statics, old_meta, old_training = old
     new_spec, new_statics, new_meta, new_training = new
@@ -130,7 +134,7 @@ def describe_key_change(old: tuple, new: tuple, static_names: Sequence[str], fee
     for name, a, b in zip(static_names, old_statics, new_statics):
         if a != b:
             return f"static value changed: '{name}' {_value(a)} -> {_value(b)}"
-    for name, a, b in zip(feed_names, old_meta, new_meta):
+    for name, a, b in zip(tensor_names, old_meta, new_meta):
         if a != b:
             return f"input '{name}' changed: {_meta(a)} -> {_meta(b)}"
     return "new key"
@@ -149,8 +153,6 @@ def _value(static: Any) -> str:
 
 
 def _meta(meta: Any) -> str:
-    if isinstance(meta, tuple):
-        dtype, rank, device, *shape = meta
-        text = f"{str(dtype).replace('torch.', '')} rank {rank} on {device}"
-        return text + (f" shape {tuple(shape[0])}" if shape else "")
-    return f"{getattr(meta, '__name__', meta)}"
+    dtype, rank, device, *shape = meta
+    text = f"{str(dtype).replace('torch.', '')} rank {rank} on {device}"
+    return text + (f" shape {tuple(shape[0])}" if shape else "")
