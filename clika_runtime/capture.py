@@ -70,25 +70,27 @@ class Capture:
             template[pos] = value
         self._template = template
         self._slots = [(pos, scalar_out.get(pos)) for pos in graph_leaves]
-        # Fast path: every output leaf is a tensor the graph computes, in order.
-        self._direct = not exported.constants and not scalar_out
+        direct = not exported.constants and not scalar_out and not self._lift
+        # run(feeds) -> the output tree; the common case (every output leaf a tensor the graph
+        # computes, no lifted numbers) is one closure over the runner, for the hot path.
+        self.run: Callable[[Sequence[Any]], Any] = _direct_run(runner.run, out_spec.unflatten) if direct else self._run
 
-    def run(self, feeds: Sequence[Any]) -> Any:
-        """Serve one call: run the graph, rebuild the output tree."""
+    def _run(self, feeds: Sequence[Any]) -> Any:
         if self._lift:
             feeds = list(feeds)
             for i in self._lift:
                 feeds[i] = torch.tensor(feeds[i])
-        outs = self._runner.run(feeds)
-        if self._direct:
-            return self._out_spec.unflatten(outs)
-        return self._out_spec.unflatten(self._leaves(outs))
+        return self._out_spec.unflatten(self._leaves(self._runner.run(feeds)))
 
     def _leaves(self, outs: Sequence[Any]) -> list[Any]:
         leaves = list(self._template)
         for (pos, scalar), value in zip(self._slots, outs):
             leaves[pos] = scalar(value.item()) if scalar is not None else value
         return leaves
+
+
+def _direct_run(run: Callable[[Sequence[Any]], list[Any]], unflatten: Callable[[list[Any]], Any]) -> Callable:
+    return lambda feeds: unflatten(run(feeds))
 
 
 def _lifted_feeds(request: CaptureRequest) -> set[int]:

@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
-_NAN = ("nan",)  # NaN != NaN would make every call with a NaN static leaf miss
+_NAN = ("nan",)
+_Tensor = torch.Tensor  # NaN != NaN would make every call with a NaN static leaf miss
 
 
 def key_parts(
@@ -28,12 +29,13 @@ def key_parts(
     metas = []
     grad = False
     for i, leaf in enumerate(leaves):
-        kind = type(leaf)
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, _Tensor):
             feeds.append(leaf)
-            metas.append((leaf.dtype, leaf.dim(), leaf.device, leaf.shape) if with_shapes else (leaf.dtype, leaf.dim(), leaf.device))
+            metas.append((leaf.dtype, leaf.ndim, leaf.device, leaf.shape) if with_shapes else (leaf.dtype, leaf.ndim, leaf.device))
             grad = grad or leaf.requires_grad
-        elif lifted and i in lifted:
+            continue
+        kind = type(leaf)
+        if lifted and i in lifted:
             feeds.append(leaf)
             statics.append(kind)
         else:

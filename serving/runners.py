@@ -77,23 +77,24 @@ class TorchRunner:
         # Where eager's outputs live when they differ from the place (CUDA inputs on a CPU place).
         self._home = input_device if input_device is not None and input_device != self._device else None
         numpy_ok = all(str(d) not in _NOT_NUMPY for d in dtypes)
-        if place.device == "cpu" and numpy_ok and self._home is None:
-            self.run = self._run_numpy
-        else:
-            self.run = self._run_bound
         self._stream = _stream_of(place) if place.device == "cuda" else None
+        # run(tensors in input order) -> output tensors in output order
+        self.run: Callable[[Sequence[Any]], list[Any]] = (
+            self._numpy_path() if place.device == "cpu" and numpy_ok and self._home is None else self._run_bound
+        )
 
-    def _run_numpy(self, tensors: Sequence[Any]) -> list[Any]:
-        try:
-            feed = {name: t.numpy() for name, t in zip(self._in, tensors)}
-        except RuntimeError:  # a tensor that requires grad (served under no_grad / inference)
-            feed = {name: t.detach().numpy() for name, t in zip(self._in, tensors)}
-        from_numpy = self._from_numpy
-        return [from_numpy(a) for a in self._raw(self._out, feed, self._options)]
+    def _numpy_path(self) -> Callable[[Sequence[Any]], list[Any]]:
+        # Everything the call needs is bound to closure locals: this is the per-call hot path.
+        names, outputs, options, raw, from_numpy = self._in, self._out, self._options, self._raw, self._from_numpy
 
-    def run(self, tensors: Sequence[Any]) -> list[Any]:  # replaced per instance in __init__
-        """Run the graph on tensors in input order; returns output tensors in output order."""
-        raise NotImplementedError
+        def run(tensors: Sequence[Any]) -> list[Any]:
+            try:
+                feed = {name: t.numpy() for name, t in zip(names, tensors)}
+            except RuntimeError:  # a tensor that requires grad (served under no_grad / inference)
+                feed = {name: t.detach().numpy() for name, t in zip(names, tensors)}
+            return [from_numpy(a) for a in raw(outputs, feed, options)]
+
+        return run
 
     def _run_bound(self, tensors: Sequence[Any]) -> list[Any]:
         import torch

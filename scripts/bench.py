@@ -1,0 +1,216 @@
+"""Benchmarks: torch eager, torch.compile (inductor), raw onnxruntime and clika_runtime, one process.
+
+    python scripts/bench.py [--workloads mlp_b1 cnn_b1 ...] [--no-inductor] [--rounds 15]
+
+Every variant runs on 1 thread (torch and onnxruntime). Timings are interleaved in rounds (each
+round times every variant once, in shuffled order) and the median per call is reported, so the
+ratios compare numbers measured under the same machine load. Figures go to docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import random
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnxruntime as ort
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import Workload, build  # noqa: E402
+
+import clika_runtime as cr  # noqa: E402
+
+TARGETS = {  # workload -> [(ratio name, limit)]
+    "mlp_b1": [("clika/eager", 0.5), ("clika/ort_run", 1.0)],
+    "cnn_b1": [("clika/floor", 1.10)],
+    "cnn_b16": [("clika/floor", 1.10)],
+    "gpt2_tiny_s32": [("clika/floor", 1.10)],
+    "transformer_layer_s128": [("clika/eager", 1.0)],
+}
+
+
+def per_call_us(fn: Callable[[], Any], block_s: float) -> Callable[[], float]:
+    """Calibrate a block of calls lasting about ``block_s``; return a timer of one block (us per call)."""
+    n, start = 1, time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    n = max(1, int(block_s / once))
+
+    def block() -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - start) / n * 1e6
+
+    return block
+
+
+def measure(variants: dict[str, Callable[[], Any]], rounds: int, block_s: float) -> dict[str, float]:
+    for fn in variants.values():  # warm up every variant before any timing
+        for _ in range(20):
+            fn()
+    blocks = {name: per_call_us(fn, block_s) for name, fn in variants.items()}
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    for _ in range(rounds):
+        random.shuffle(order)
+        for name in order:
+            samples[name].append(blocks[name]())
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def session_for(graph: cr.ModelGraph) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(graph.model_proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def floor_binding(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> Any:
+    """IOBinding with inputs and preallocated outputs bound once: onnxruntime alone, nothing else."""
+    outputs = session.run(None, feeds)
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_cpu_input(name, array)
+    keep = []
+    for meta, out in zip(session.get_outputs(), outputs):
+        buffer = np.empty_like(out)
+        keep.append(buffer)
+        binding.bind_output(meta.name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+    binding.keep = keep  # the buffers live as long as the binding
+    return binding
+
+
+def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    inputs = w.inputs(w.size)
+    f = cr.compile(w.model)
+    with torch.no_grad():
+        f(*inputs)
+        f(*w.inputs(w.size))
+    assert f.state is cr.CompiledFunction.State.Compiled, f.recapture_reasons
+    graph = cr.ModelGraph(f._current.model_proto)  # the same graph the compiled function serves
+    session = session_for(graph)
+    feeds = {name: t.numpy() for name, t in zip(graph.input_names, inputs)}
+    binding = floor_binding(session, feeds)
+    variants: dict[str, Callable[[], Any]] = {}
+
+    def eager() -> Any:
+        with torch.inference_mode():
+            return w.model(*inputs)
+
+    variants["eager"] = eager
+    if args.inductor:
+        compiled = torch.compile(w.model)
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled(*inputs)
+
+        def inductor() -> Any:
+            with torch.inference_mode():
+                return compiled(*inputs)
+
+        variants["inductor"] = inductor
+    variants["ort_run"] = lambda: session.run(None, feeds)
+    variants["floor"] = lambda: session.run_with_iobinding(binding)
+    variants["clika"] = lambda: f(*inputs)
+    with torch.no_grad():
+        result = measure(variants, args.rounds, args.block)
+    result["_memory"] = served_memory_growth(f, inputs, args.memory_calls)
+    return result
+
+
+def served_memory_growth(f: Any, inputs: tuple, calls: int) -> tuple[float, float]:
+    """RSS (MiB) after 1,000 warm-up calls, and its growth over ``calls`` more served calls."""
+    process = psutil.Process()
+    with torch.no_grad():
+        for _ in range(1000):
+            f(*inputs)
+        gc.collect()
+        before = process.memory_info().rss
+        for _ in range(calls):
+            f(*inputs)
+        gc.collect()
+        after = process.memory_info().rss
+    return before / 2**20, (after - before) / 2**20
+
+
+def first_call(w: Workload) -> tuple[float, float]:
+    """Seconds for the first compiled call vs the same steps by hand (eager, export, session, run, compare)."""
+    inputs = w.inputs(w.size)
+
+    def by_hand() -> None:
+        with torch.no_grad():
+            eager = w.model(*inputs)
+            program = torch.onnx.export(w.model, inputs, dynamo=True, optimize=True, verbose=False)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        session = ort.InferenceSession(program.model_proto.SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"])
+        out = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)})
+        expected = eager if isinstance(eager, torch.Tensor) else eager[0]
+        np.testing.assert_allclose(out[0], expected.numpy(), rtol=1e-3, atol=1e-4)
+
+    def ours() -> None:
+        with torch.no_grad():
+            cr.compile(w.model)(*inputs)
+
+    times: dict[str, list[float]] = {"hand": [], "clika": []}
+    for _ in range(3):
+        for name, fn in (("hand", by_hand), ("clika", ours)):
+            start = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fn()
+            times[name].append(time.perf_counter() - start)
+    return statistics.median(times["hand"]), statistics.median(times["clika"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="*", default=None)
+    parser.add_argument("--no-inductor", dest="inductor", action="store_false")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--block", type=float, default=0.05, help="seconds per timed block")
+    parser.add_argument("--memory-calls", type=int, default=10_000)
+    parser.add_argument("--first-call", default="mlp_b1", help="workload for the first-call comparison ('' to skip)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores; python {platform.python_version()}, "
+          f"torch {torch.__version__}, onnxruntime {ort.__version__}, clika_runtime {cr.__version__}; 1 thread")
+    workloads = build(tuple(args.workloads) if args.workloads else None)
+    header = f"{'workload':<24}" + "".join(f"{c:>10}" for c in ("eager", "inductor", "ort_run", "floor", "clika")) + \
+        "   clika/eager  clika/ort_run  clika/floor"
+    print("\nmedian us per call\n" + header)
+    verdicts = []
+    for w in workloads:
+        r = bench_workload(w, args)
+        ratios = {"clika/eager": r["clika"] / r["eager"], "clika/ort_run": r["clika"] / r["ort_run"],
+                  "clika/floor": r["clika"] / r["floor"]}
+        cells = "".join(f"{r[c]:>10.1f}" if c in r else f"{'-':>10}" for c in ("eager", "inductor", "ort_run", "floor", "clika"))
+        print(f"{w.name:<24}{cells}   {ratios['clika/eager']:>11.2f}  {ratios['clika/ort_run']:>13.2f}  {ratios['clika/floor']:>11.2f}")
+        rss, growth = r["_memory"]
+        verdicts.append(f"{w.name}: RSS {rss:.0f} MiB, growth over {args.memory_calls} served calls {growth:+.1f} MiB")
+        for ratio, limit in TARGETS.get(w.name, []):
+            verdicts.append(f"{w.name}: {ratio} {ratios[ratio]:.2f} (target <= {limit}) {'met' if ratios[ratio] <= limit else 'MISSED'}")
+    if args.first_call:
+        (w,) = build((args.first_call,))
+        hand, ours = first_call(w)
+        verdicts.append(f"first call ({w.name}): by hand {hand:.2f} s, clika {ours:.2f} s, ratio {ours / hand:.2f} "
+                        f"(target <= 1.3) {'met' if ours / hand <= 1.3 else 'MISSED'}")
+    print("\n" + "\n".join(verdicts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
