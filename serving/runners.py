@@ -71,6 +71,7 @@ class TorchRunner:
         self._in = tuple(input_names)
         self._out = list(output_names)
         self._options = _run_options()
+        self._public_options = ort.RunOptions()  # run_with_iobinding takes the public wrapper
         self._raw = _raw_run(session)
         self._from_numpy = torch.from_numpy
         self._device = torch.device("cuda", place.device_id) if place.device == "cuda" else torch.device("cpu")
@@ -113,15 +114,11 @@ class TorchRunner:
             current = torch.cuda.current_stream(device)
             if current.cuda_stream != self._stream:  # order onnxruntime's stream after the caller's
                 torch.cuda.ExternalStream(self._stream, device=device).wait_stream(current)
-        self._session.run_with_iobinding(binding, self._options_public())
+        self._session.run_with_iobinding(binding, self._public_options)
         outs = [_torch_from_ortvalue(v) for v in binding.get_outputs()]
         if self._home is not None:
             outs = [o.to(self._home) for o in outs]
         return outs
-
-    def _options_public(self) -> ort.RunOptions:
-        # run_with_iobinding takes the public RunOptions wrapper.
-        return ort.RunOptions()
 
 
 def _ortvalue_from_torch(t: Any) -> Any:
