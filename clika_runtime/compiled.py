@@ -109,7 +109,6 @@ class CompiledFunction(Generic[P, R]):
     def __init__(
         self,
         target: Callable[P, R],
-        /,
         *,
         signature: Sequence[TensorSpec] = (),
         dynamic: bool | None = None,

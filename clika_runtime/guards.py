@@ -149,7 +149,7 @@ def _short(spec: Any) -> str:
 
 def _value(static: Any) -> str:
     if isinstance(static, tuple) and len(static) == 2:
-        kind, value = static
+        _, value = static
         return f"{value!r}" if value is not _NAN else "nan"
     return f"<{getattr(static, '__name__', static)} graph input>"
 
