@@ -105,6 +105,8 @@ def build(request: CaptureRequest) -> Capture:
             raise CaptureError(f"output {pos}: dtype {leaf.dtype} has no ONNX type")
     names = _output_names(request, eager_leaves)
     exported = _export(request, names, eager_leaves)
+    if not exported.graph_leaves:
+        raise CaptureError("the function returns no tensor: there is nothing for a graph to compute")
     scalar_out = {
         pos: type(eager_leaves[pos]) for pos in exported.graph_leaves if type(eager_leaves[pos]) in _SCALARS
     }

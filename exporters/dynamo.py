@@ -133,7 +133,7 @@ def export_graph(
                 tuple(examples),
                 dynamo=True,
                 input_names=list(input_names),
-                dynamic_shapes=_dynamic_shapes(examples, dynamic),
+                dynamic_shapes=_dynamic_shapes(examples, dynamic) if examples else None,
                 optimize=optimize,
                 verbose=False,
             )
@@ -185,9 +185,10 @@ def _finite(bound: Any) -> bool:
 @contextlib.contextmanager
 def _quiet():
     """Keep the exporter's progress prints and registration warnings off the user's console."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript", "onnx_ir")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations, not the user's
@@ -195,4 +196,5 @@ def _quiet():
             warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
             yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

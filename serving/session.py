@@ -20,7 +20,7 @@ def session_options(optimize: bool, intra_op_threads: int | None) -> ort.Session
     # One graph at a time per call: inter-op parallelism only adds thread hand-offs for these graphs.
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors reach the caller as exceptions; don't print them twice
     return options
 
 

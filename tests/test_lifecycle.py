@@ -230,3 +230,34 @@ def test_bound_method_target_names_inputs_after_its_parameters():
     with torch.no_grad():
         out = f(torch.randn(1, 2, 8), mask=torch.ones(1, 2))
     assert f.input_names == ["x", "mask"] and out.shape == (1, 2, 8)
+
+
+def test_keyword_order_does_not_make_a_new_capture():
+    target = Counted(lambda x, *, a, b: x + a - b)
+    f = cr.compile(target)
+    x, a, b = torch.ones(1), torch.full((1,), 2.0), torch.zeros(1)
+    f(x, a=a, b=b)
+    calls = target.calls
+    torch.testing.assert_close(f(x, b=b, a=a), x + a - b)
+    assert target.calls == calls and f.input_names == ["x", "a", "b"]
+
+
+def test_a_function_without_inputs_and_one_without_tensor_outputs():
+    constant = cr.compile(lambda: torch.arange(3.0))
+    constant()
+    torch.testing.assert_close(constant(), torch.arange(3.0))
+    assert constant.state is State.Compiled
+    nothing = cr.compile(lambda x: None)
+    with pytest.warns(UserWarning, match="returns no tensor"):
+        assert nothing(torch.ones(2)) is None
+    assert nothing(torch.ones(2)) is None
+
+
+def test_parameters_and_inputs_requiring_grad_are_served_under_no_grad():
+    weight = torch.nn.Parameter(torch.ones(2))
+    f = cr.compile(lambda x: x * 2)
+    with torch.no_grad():
+        f(weight)
+        out = f(weight)
+    torch.testing.assert_close(out, torch.full((2,), 2.0))
+    assert not out.requires_grad and f.state is State.Compiled
