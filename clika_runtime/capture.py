@@ -60,6 +60,7 @@ class Capture:
         self.guard = ShapeGuard(
             tuple(None if i in _lifted_feeds(request) else dims for i, dims in enumerate(exported.input_dims)),
             tuple((name, lo, hi) for name, (lo, hi) in exported.dim_ranges.items() if lo > 0 or hi is not None),
+            tuple((i, lo, hi) for i, (lo, hi) in exported.number_ranges.items()),
         )
         self._runner = runner
         self._out_spec = out_spec
@@ -105,6 +106,9 @@ def build(request: CaptureRequest) -> Capture:
             raise CaptureError(f"output {pos}: dtype {leaf.dtype} has no ONNX type")
     names = _output_names(request, eager_leaves)
     exported = _export(request, names, eager_leaves)
+    baked = [request.feed_names[i] for i in exported.specialized if i in _lifted_feeds(request)]
+    if baked:
+        raise CaptureError(f"the exporter specialised number input(s) {baked} to their example values")
     if not exported.graph_leaves:
         raise CaptureError("the function returns no tensor: there is nothing for a graph to compute")
     scalar_out = {

@@ -164,7 +164,10 @@ class CompiledFunction(Generic[P, R]):
             if capture is not None and capture.guard.matches(feeds) and not (grad and _grad_enabled()):
                 if capture is not self._current:
                     self._touch(capture)
-                return capture.run(feeds)
+                try:
+                    return capture.run(feeds)
+                except Exception as error:  # the graph rejected inputs its guard let through
+                    return self._run_failed(capture, error, args, kwargs)
         return self._miss(args, kwargs)
 
     # --------------------------------------------------------------------------------- public state
@@ -198,6 +201,8 @@ class CompiledFunction(Generic[P, R]):
             self._current: capture_mod.Capture | None = None
             self._last_key: tuple | None = None
             self._lifted: dict[Any, frozenset[int]] = {}
+            self._unliftable: dict[Any, frozenset[int]] = {}  # numbers the exporter could not lift
+            self._run_failure: str | None = None  # why the last served call failed, for the re-capture
             self._recaptures = 0
             self._reasons: list[str] = []
             self._state = State.Pending
@@ -229,7 +234,7 @@ class CompiledFunction(Generic[P, R]):
             args, kwargs = self._forms(args, kwargs)
             trees.sync_registry()  # node types registered since the last miss flatten from now on
             leaves, spec = _flatten((args, kwargs)) if kwargs else _flatten(args)
-            call = self._call(args, kwargs, leaves, spec, self._lifted.get(spec, self._initial_lift(leaves)))
+            call = self._call(args, kwargs, leaves, spec, self._lifted.get(spec, self._initial_lift(spec, leaves)))
             self._check_signature(call)
             if _grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in call.feeds):
                 return self._target(*args, **kwargs)  # the caller is differentiating: stay eager
@@ -248,6 +253,8 @@ class CompiledFunction(Generic[P, R]):
                 lifted, reasons = self._lift_changed_numbers(call)
                 if reasons:  # numbers became graph inputs: they leave the key
                     call = self._call(args, kwargs, leaves, spec, lifted)
+                elif self._run_failure is not None:
+                    reasons, self._run_failure = [self._run_failure], None
                 elif self._last_key is not None:
                     tensor_names = [n for n, v in zip(call.names, call.feeds) if isinstance(v, _Tensor)]
                     reasons = [describe_key_change(self._last_key, call.key, call.static_names, tensor_names)]
@@ -259,6 +266,14 @@ class CompiledFunction(Generic[P, R]):
                 self._recaptures += 1
                 self._record(reasons)
             return self._capture(call, dynamic)
+
+    def _run_failed(self, capture: capture_mod.Capture, error: Exception, args: tuple, kwargs: dict) -> Any:
+        """A graph failed on inputs its guard accepted: drop it and capture again from this call."""
+        with self._lock:
+            if self._captures.get(capture.key) is capture:
+                del self._captures[capture.key]
+            self._run_failure = f"the graph failed on these inputs ({_first_line(error)}); re-captured from them"
+        return self._miss(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict, leaves: list[Any], spec: Any, lifted: frozenset[int]) -> Call:
         """Flatten-side facts of one call under a given set of lifted numbers."""
@@ -288,6 +303,7 @@ class CompiledFunction(Generic[P, R]):
                 return self._give_up(f"capture failed: {e}", call.args, call.kwargs, result=out, cause=e)
             # The exporter could not lift these numbers: bake them and try once more.
             lifted_names = [n for n, p in zip(call.names, call.positions) if p in call.lifted]
+            self._unliftable[call.spec] = self._unliftable.get(call.spec, frozenset()) | call.lifted
             self._record([f"numbers {lifted_names} stay baked: the exporter could not lift them ({_first_line(e)})"])
             call = self._call(call.args, call.kwargs, call.leaves, call.spec, frozenset())
             try:
@@ -448,9 +464,10 @@ class CompiledFunction(Generic[P, R]):
         inputs = set(self._current.feed_names) if self._current else set()
         return {n: a for n, a in self._dynamic_axes.items() if n not in inputs}
 
-    def _initial_lift(self, leaves: list[Any]) -> frozenset[int]:
+    def _initial_lift(self, spec: Any, leaves: list[Any]) -> frozenset[int]:
         if self._specialize is False:
-            return frozenset(i for i, v in enumerate(leaves) if type(v) is int)
+            unliftable = self._unliftable.get(spec, frozenset())
+            return frozenset(i for i, v in enumerate(leaves) if type(v) is int and i not in unliftable)
         return _NO_LIFT
 
     def _lift_changed_numbers(self, call: Call) -> tuple[frozenset[int], list[str]]:
@@ -462,10 +479,11 @@ class CompiledFunction(Generic[P, R]):
         if self._specialize is not None or last is None or last[0] != call.spec or last[3] != call.key[3]:
             return call.lifted, []
         statics = [i for i, v in enumerate(call.leaves) if not isinstance(v, _Tensor)]
+        unliftable = self._unliftable.get(call.spec, frozenset())
         changed = []
         for i, name, old in zip(statics, call.static_names, last[1]):
             value = call.leaves[i]
-            if type(value) is int and isinstance(old, tuple) and old[0] is int and old[1] != value:
+            if i not in unliftable and type(value) is int and isinstance(old, tuple) and old[0] is int and old[1] != value:
                 changed.append((i, name, old[1], value))
         if not changed:
             return call.lifted, []

@@ -49,11 +49,13 @@ class ShapeGuard:
     """What a captured graph assumes of its input shapes.
 
     ``dims[i]`` is input i's dims: int (static) or a dim name (dynamic; one name = one size).
-    ``ranges`` holds the sizes the exporter assumed for a dim name, where that is not [0, inf).
+    ``ranges`` holds the sizes the exporter assumed for a dim name, where that is not [0, inf);
+    ``numbers`` the values it assumed for lifted Python-number inputs, by input index.
     """
 
     dims: tuple[tuple[int | str | None, ...] | None, ...]
     ranges: tuple[tuple[str, int, int | None], ...] = ()
+    numbers: tuple[tuple[int, int, int | None], ...] = ()
 
     def __post_init__(self) -> None:
         statics, exact, positions = [], [], {}
@@ -94,6 +96,9 @@ class ShapeGuard:
             size = feeds[i].shape[a]
             if size < lo or (hi is not None and size > hi):
                 return False
+        for i, lo, hi in self.numbers:
+            if feeds[i] < lo or (hi is not None and feeds[i] > hi):
+                return False
         return True
 
     def drift(self, feeds: Sequence[Any], names: Sequence[str]) -> tuple[list[set[int]], list[str]]:
@@ -122,6 +127,9 @@ class ShapeGuard:
                 reasons.append(
                     f"shape drift: input '{names[i]}' axis {a} size {size} outside the graph's range [{lo}, {hi or 'inf'}]"
                 )
+        for i, lo, hi in self.numbers:
+            if feeds[i] < lo or (hi is not None and feeds[i] > hi):
+                reasons.append(f"input '{names[i]}' = {feeds[i]} outside the graph's range [{lo}, {hi or 'inf'}]")
         return axes, reasons
 
 

@@ -32,6 +32,10 @@ class ExportedGraph:
         graph_leaves: positions, in the flat output of ``fn``, of the leaves the graph computes.
         constants: the other output leaves, by position, as traced (baked into the capture).
         dim_ranges: dim name -> (lowest, highest or None) size the exporter assumed.
+        number_ranges: input index -> (lowest, highest or None) value, for Python-number inputs
+            the graph takes as inputs.
+        specialized: indices of Python-number inputs the exporter baked in (a constant in the
+            graph despite being an input): serving those from the graph would be wrong.
     """
 
     model_proto: onnx.ModelProto
@@ -40,6 +44,8 @@ class ExportedGraph:
     graph_leaves: list[int]
     constants: dict[int, Any]
     dim_ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    number_ranges: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+    specialized: list[int] = field(default_factory=list)
 
 
 class _Flat(torch.nn.Module):
@@ -155,6 +161,7 @@ def export_graph(
         graph_leaves=list(graph_leaves),
         constants=dict(constants),
         dim_ranges=_ranges(program.exported_program, renames),
+        **_numbers(program.exported_program, examples),
     )
 
 
@@ -173,6 +180,29 @@ def _ranges(program: Any, renames: Mapping[str, str]) -> dict[str, tuple[int, in
         hi = None if upper is None or not _finite(upper) else int(upper)
         ranges[name] = (int(lower) if _finite(lower) else 0, hi)
     return ranges
+
+
+def _numbers(program: Any, examples: Sequence[Any]) -> dict[str, Any]:
+    """Which Python-number inputs stayed symbolic, and their value ranges."""
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    user = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind.name == "USER_INPUT"}
+    values = [n.meta.get("val") for n in placeholders if n.name in user]
+    ranges: dict[int, tuple[int, int | None]] = {}
+    specialized: list[int] = []
+    for i, (example, value) in enumerate(zip(examples, values)):
+        if isinstance(example, torch.Tensor):
+            continue
+        expr = value.node.expr if isinstance(value, torch.SymInt) else None
+        if expr is None or expr.is_number:
+            specialized.append(i)
+            continue
+        bounds = program.range_constraints.get(expr)
+        if bounds is not None and bounds.lower == bounds.upper:  # pinned to one value: baked in effect
+            specialized.append(i)
+        elif bounds is not None:
+            hi = int(bounds.upper) if _finite(bounds.upper) else None
+            ranges[i] = (int(bounds.lower) if _finite(bounds.lower) else -(2**63), hi)
+    return {"number_ranges": ranges, "specialized": specialized}
 
 
 def _finite(bound: Any) -> bool:

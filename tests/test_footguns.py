@@ -150,3 +150,18 @@ def test_a_graph_that_disagrees_with_eager_is_never_served():
         first = f(x)
     assert f.state is State.Fallback
     assert not torch.equal(f(x), first)  # eager each time: fresh draws, as the user wrote it
+
+
+def test_a_graph_failing_on_inputs_its_guard_accepts_is_recaptured_not_raised():
+    def halves(x):
+        return x.reshape(2, -1).sum(0)  # needs an even size: the exporter leaves the axis dynamic
+
+    f = cr.compile(halves, dynamic=True)
+    torch.testing.assert_close(f(torch.ones(4)), torch.full((2,), 2.0))
+    with pytest.raises(RuntimeError):
+        halves(torch.ones(5))  # eager rejects an odd size itself...
+    with pytest.raises(RuntimeError):
+        f(torch.ones(5))  # ...and so does the compiled function, with eager's own error
+    torch.testing.assert_close(f(torch.ones(6)), torch.full((3,), 2.0))
+    assert f.recapture_reasons[0].startswith("the graph failed on these inputs")
+    assert f.state is State.Compiled

@@ -241,3 +241,25 @@ def test_bools_and_strings_always_stay_static():
     torch.testing.assert_close(f(x, True, "a"), x + 1)
     torch.testing.assert_close(f(x, False, "a"), x)
     assert f.input_names == ["x"] and f.recapture_count == 1
+
+
+def test_an_int_the_exporter_cannot_lift_stays_baked_with_the_reason_recorded():
+    def repeat_double(x, n):
+        for _ in range(n):  # a Python loop over the number: the exporter pins it to its example value
+            x = x * 2
+        return x
+
+    f = cr.compile(repeat_double, specialize=False)
+    x = torch.ones(2)
+    for n in (2, 3, 2, 1):
+        torch.testing.assert_close(f(x, n), x * 2**n)
+    assert f.state is State.Compiled and f.input_names == ["x"]
+    assert "stay baked: the exporter could not lift them" in f.recapture_reasons[0], f.recapture_reasons
+
+
+def test_a_lifted_int_is_guarded_by_the_range_the_exporter_assumed():
+    f = cr.compile(lambda x, k: x[:k] * 2, specialize=False)
+    x = torch.arange(4.0)
+    for k in (3, 2, 4, 1, 0):
+        torch.testing.assert_close(f(x, k), x[:k] * 2)
+    assert f.input_names == ["x", "k"]
