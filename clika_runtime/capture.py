@@ -55,16 +55,16 @@ class Capture:
         self.key = request.key
         self.feed_names = list(request.feed_names)
         self.dynamic = [dict(d) for d in request.dynamic]
-        self.lifted = request.lifted
         self.model_proto = exported.model_proto
+        lifted = _lifted_feeds(request)
         self.guard = ShapeGuard(
-            tuple(None if i in _lifted_feeds(request) else dims for i, dims in enumerate(exported.input_dims)),
+            tuple(None if i in lifted else dims for i, dims in enumerate(exported.input_dims)),
             tuple((name, lo, hi) for name, (lo, hi) in exported.dim_ranges.items() if lo > 0 or hi is not None),
             tuple((i, lo, hi) for i, (lo, hi) in exported.number_ranges.items()),
         )
         self._runner = runner
         self._out_spec = out_spec
-        self._lift = [i for i in range(len(request.feed_positions)) if i in _lifted_feeds(request)]
+        self._lift = sorted(lifted)
         graph_leaves = exported.graph_leaves
         template: list[Any] = [None] * n_out
         for pos, value in exported.constants.items():

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 import serving
 from clika_runtime import treedesc
@@ -182,6 +185,7 @@ class ServedGraph:
         self.output_names = [o.name for o in self._session.get_outputs()]
         self._expect = [(i.name, _ONNX_TYPES.get(i.type, i.type), list(i.shape)) for i in self._session.get_inputs()]
         self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
+        self._numpy_unfit = [o.name for o in self._session.get_outputs() if o.type == "tensor(bfloat16)"]
         self._torch: Any = None
 
     @property
@@ -191,9 +195,15 @@ class ServedGraph:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         feeds = self._feeds(args, kwargs)
-        for (name, dtype, shape), value in zip(self._expect, feeds):
+        for i, ((name, dtype, shape), value) in enumerate(zip(self._expect, feeds)):
+            if type(value) in (int, float) and not shape:  # a lifted Python number
+                feeds[i] = value = np.asarray(value, dtype=dtype)
             _check_input(name, dtype, shape, value)
         is_torch = any(type(v).__module__.startswith("torch") for v in feeds)
+        if not is_torch and self._numpy_unfit:
+            raise GraphInputError(
+                f"output(s) {self._numpy_unfit} are bfloat16, which numpy cannot hold: call with torch tensors"
+            )
         outs = self._run_torch(feeds) if is_torch else self._numpy.run(feeds)
         if self._outputs is None:
             return dict(zip(self.output_names, outs))
@@ -266,10 +276,8 @@ class ServedGraph:
 
         tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in feeds]
         if self._torch is None:
-            self._torch = serving.TorchRunner(
-                self._session, self._place, self.input_names, self.output_names,
-                [t.dtype for t in tensors],
-            )
+            dtypes = [t.dtype for t in tensors] + [_ONNX_TYPES.get(o.type, o.type) for o in self._session.get_outputs()]
+            self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
         return self._torch.run(tensors)
 
 
@@ -292,8 +300,6 @@ def _dims(shape: Sequence[Any]) -> str:
 
 
 def _torch_threads() -> int | None:
-    import sys
-
     torch = sys.modules.get("torch")
     return torch.get_num_threads() if torch is not None else None
 

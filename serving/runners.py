@@ -44,7 +44,7 @@ class NumpyRunner:
 
 
 # dtypes numpy cannot hold: those go through DLPack instead of numpy.
-_NOT_NUMPY = ("torch.bfloat16", "torch.complex32")
+_NOT_NUMPY = ("bfloat16", "complex32")
 
 
 class TorchRunner:
@@ -65,6 +65,8 @@ class TorchRunner:
         dtypes: Sequence[Any],
         input_device: Any = None,
     ) -> None:
+        """``dtypes``: every input and output dtype (torch dtypes or names such as ``"bfloat16"``):
+        they decide whether the numpy path can carry them."""
         import torch
 
         self._session = session
@@ -77,7 +79,7 @@ class TorchRunner:
         self._device = torch.device("cuda", place.device_id) if place.device == "cuda" else torch.device("cpu")
         # Where eager's outputs live when they differ from the place (CUDA inputs on a CPU place).
         self._home = input_device if input_device is not None and input_device != self._device else None
-        numpy_ok = all(str(d) not in _NOT_NUMPY for d in dtypes)
+        numpy_ok = all(str(d).replace("torch.", "") not in _NOT_NUMPY for d in dtypes)
         self._stream = _stream_of(place) if place.device == "cuda" else None
         # run(tensors in input order) -> output tensors in output order
         self.run: Callable[[Sequence[Any]], list[Any]] = (

@@ -246,3 +246,22 @@ def test_testing_helper_names_the_output_and_worst_difference():
 
     with pytest.raises(AssertionError, match=r"example 0: output 'noisy' differs from eager \(worst \|diff\| 0\.\d+"):
         assert_graph_matches_eager(noisy, [torch.zeros(50)])
+
+
+def test_loaded_graph_takes_lifted_numbers_and_bfloat16_outputs(tmp_path):
+    f = cr.compile(lambda x, k: ((x[:k] * 2).bfloat16(), k), specialize=False)
+    x = torch.arange(5.0)
+    f(x, 3)
+    served = cr.load(f.take_graph().save(tmp_path / "lifted.onnx"))
+    out, k = served(x, 2)
+    assert out.dtype == torch.bfloat16 and k == 2
+    torch.testing.assert_close(out, (x[:2] * 2).bfloat16())
+    with pytest.raises(GraphInputError, match=r"\['out_0'\] are bfloat16, which numpy cannot hold: call with torch tensors"):
+        served(x.numpy(), 4)
+
+
+def test_loaded_graph_takes_python_numbers_with_numpy_arrays(tmp_path):
+    f = cr.compile(lambda x, k: x[:k] + k, specialize=False)
+    f(torch.arange(5.0), 3)
+    served = cr.load(f.take_graph().save(tmp_path / "numbers.onnx"))
+    np.testing.assert_array_equal(served(np.arange(5.0, dtype=np.float32), 2), np.array([2.0, 3.0], np.float32))
