@@ -15,6 +15,7 @@ import exporters
 import serving
 from clika_runtime import graph as graph_mod
 from clika_runtime import treedesc, trees
+from clika_runtime.config import config
 from clika_runtime.errors import CaptureError, VerificationError
 from clika_runtime.guards import ShapeGuard
 from clika_runtime.verify import first_mismatch
@@ -61,6 +62,7 @@ class Capture:
             tuple(None if i in lifted else dims for i, dims in enumerate(exported.input_dims)),
             tuple((name, lo, hi) for name, (lo, hi) in exported.dim_ranges.items() if lo > 0 or hi is not None),
             tuple((i, lo, hi) for i, (lo, hi) in exported.number_ranges.items()),
+            tuple(exported.conditions),
         )
         self._runner = runner
         self._out_spec = out_spec
@@ -106,7 +108,12 @@ def build(request: CaptureRequest) -> Capture:
             raise CaptureError(f"output {pos}: dtype {leaf.dtype} has no ONNX type")
     names = _output_names(request, eager_leaves)
     exported = _export(request, names, eager_leaves)
-    baked = [request.feed_names[i] for i in exported.specialized if i in _lifted_feeds(request)]
+    opaque_axes = {(i, a) for i, a in exported.opaque if a is not None}
+    if opaque_axes:  # branches on sizes we cannot re-check: export those axes static instead
+        request.dynamic = [{a: n for a, n in d.items() if (i, a) not in opaque_axes} for i, d in enumerate(request.dynamic)]
+        exported = _export(request, names, eager_leaves)
+    unliftable = set(exported.specialized) | {i for i, a in exported.opaque if a is None}
+    baked = [request.feed_names[i] for i in sorted(unliftable) if i in _lifted_feeds(request)]
     if baked:
         raise CaptureError(f"the exporter specialised number input(s) {baked} to their example values")
     if not exported.graph_leaves:
@@ -119,7 +126,7 @@ def build(request: CaptureRequest) -> Capture:
     try:
         session = serving.open_session(
             exported.model_proto.SerializeToString(), request.place,
-            optimize=request.optimize, intra_op_threads=torch.get_num_threads(),
+            optimize=request.optimize, intra_op_threads=config.intra_op_threads or torch.get_num_threads(),
         )
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
         raise CaptureError(f"onnxruntime could not load the exported graph: {e}") from e

@@ -24,10 +24,13 @@ class Config:
         cache_size: captures kept per compiled function (least recently used dropped past it).
         recapture_limit: re-captures allowed before the function serves eagerly until ``reset()``.
         tolerances: ``{dtype name: (rtol, atol)}`` used when a new graph is verified against eager.
+        intra_op_threads: onnxruntime's intra-op threads for new sessions; ``None`` follows
+            ``torch.get_num_threads()`` (or onnxruntime's default where torch is absent).
     """
 
     cache_size: int = 8
     recapture_limit: int = 8
+    intra_op_threads: int | None = None
     tolerances: dict[str, tuple[float, float]] = field(default_factory=_default_tolerances)
 
     def tolerance(self, dtype_name: str) -> tuple[float, float]:

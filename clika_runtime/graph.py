@@ -16,6 +16,7 @@ import numpy as np
 
 import serving
 from clika_runtime import treedesc
+from clika_runtime.config import config
 from clika_runtime.errors import GraphFileError, GraphInputError, PlaceError
 from clika_runtime.specs import PlaceLike
 
@@ -167,7 +168,7 @@ class ServedGraph:
         self._place = _resolve_place(place)
         where = model if isinstance(model, str) else "graph"
         try:
-            self._session = serving.open_session(model, self._place, intra_op_threads=_torch_threads())
+            self._session = serving.open_session(model, self._place, intra_op_threads=_threads())
         except RuntimeError as e:
             message = str(e)
             if "did not start" in message:
@@ -299,9 +300,9 @@ def _dims(shape: Sequence[Any]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _torch_threads() -> int | None:
+def _threads() -> int | None:
     torch = sys.modules.get("torch")
-    return torch.get_num_threads() if torch is not None else None
+    return config.intra_op_threads or (torch.get_num_threads() if torch is not None else None)
 
 
 def attach_metadata(model_proto: Any, entries: Mapping[str, Any]) -> None:

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
+from exporters.conditions import evaluate
+
 _NAN = ("nan",)
 _Tensor = torch.Tensor  # NaN != NaN would make every call with a NaN static leaf miss
 
@@ -50,12 +52,15 @@ class ShapeGuard:
 
     ``dims[i]`` is input i's dims: int (static) or a dim name (dynamic; one name = one size).
     ``ranges`` holds the sizes the exporter assumed for a dim name, where that is not [0, inf);
-    ``numbers`` the values it assumed for lifted Python-number inputs, by input index.
+    ``numbers`` the values it assumed for lifted Python-number inputs, by input index;
+    ``conditions`` the size conditions the trace branched on, with their value at capture
+    (``exporters.conditions`` trees): a call that flips one must not be served by this graph.
     """
 
     dims: tuple[tuple[int | str | None, ...] | None, ...]
     ranges: tuple[tuple[str, int, int | None], ...] = ()
     numbers: tuple[tuple[int, int, int | None], ...] = ()
+    conditions: tuple[tuple[tuple, Any], ...] = ()
 
     def __post_init__(self) -> None:
         statics, exact, positions = [], [], {}
@@ -99,6 +104,11 @@ class ShapeGuard:
         for i, lo, hi in self.numbers:
             if feeds[i] < lo or (hi is not None and feeds[i] > hi):
                 return False
+        if self.conditions:
+            sizes = _sizes(feeds)
+            for tree, expected in self.conditions:
+                if evaluate(tree, sizes) != expected:
+                    return False
         return True
 
     def drift(self, feeds: Sequence[Any], names: Sequence[str]) -> tuple[list[set[int]], list[str]]:
@@ -130,7 +140,35 @@ class ShapeGuard:
         for i, lo, hi in self.numbers:
             if feeds[i] < lo or (hi is not None and feeds[i] > hi):
                 reasons.append(f"input '{names[i]}' = {feeds[i]} outside the graph's range [{lo}, {hi or 'inf'}]")
+        sizes = _sizes(feeds)
+        for tree, expected in self.conditions:
+            if evaluate(tree, sizes) != expected:
+                reasons.append(f"shape condition the graph was traced under changed: {render(tree, names)} "
+                               f"was {expected}, now {evaluate(tree, sizes)}")
         return axes, reasons
+
+
+def _sizes(feeds: Sequence[Any]) -> Any:
+    return lambda i, axis: feeds[i] if axis is None else feeds[i].shape[axis]
+
+
+_SYMBOLS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "add": "+", "sub": "-",
+            "mul": "*", "floordiv": "//", "mod": "%", "and": "and", "or": "or"}
+
+
+def render(tree: tuple, names: Sequence[str]) -> str:
+    """A condition tree as text: ``x.shape[0] == 4``."""
+    kind = tree[0]
+    if kind == "size":
+        return f"{names[tree[1]]}.shape[{tree[2]}]"
+    if kind == "num":
+        return names[tree[1]]
+    if kind == "const":
+        return repr(tree[1])
+    parts = [render(child, names) for child in tree[1:]]
+    if kind in _SYMBOLS and len(parts) == 2:
+        return f"({parts[0]} {_SYMBOLS[kind]} {parts[1]})" if kind not in ("eq", "ne", "lt", "le", "gt", "ge") else f"{parts[0]} {_SYMBOLS[kind]} {parts[1]}"
+    return f"{kind}({', '.join(parts)})"
 
 
 def describe_key_change(old: tuple, new: tuple, static_names: Sequence[str], tensor_names: Sequence[str]) -> str:

@@ -15,6 +15,7 @@ import onnx_ir as ir
 import torch
 from torch.export import Dim
 
+from exporters import conditions as conds
 from exporters import graph_edits
 from exporters.dtypes import onnx_dtype
 
@@ -36,6 +37,11 @@ class ExportedGraph:
             the graph takes as inputs.
         specialized: indices of Python-number inputs the exporter baked in (a constant in the
             graph despite being an input): serving those from the graph would be wrong.
+        conditions: size conditions the trace branched on that the graph does not check, each as
+            (tree, value at capture) (see ``exporters.conditions``); only those that read a
+            dynamic size or a lifted number.
+        opaque: dynamic (input, axis) pairs (axis ``None``: a lifted number) read by conditions
+            that cannot be expressed as trees: they must be exported static.
     """
 
     model_proto: onnx.ModelProto
@@ -46,6 +52,8 @@ class ExportedGraph:
     dim_ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     number_ranges: dict[int, tuple[int, int | None]] = field(default_factory=dict)
     specialized: list[int] = field(default_factory=list)
+    conditions: list[tuple[tuple, Any]] = field(default_factory=list)
+    opaque: set[tuple[int, int | None]] = field(default_factory=set)
 
 
 class _Flat(torch.nn.Module):
@@ -151,18 +159,32 @@ def export_graph(
     names = [output_names[i] for i in graph_leaves]
     dtypes = [_leaf_dtype(output_dtypes[i]) for i in graph_leaves]
     graph_edits.fix_outputs(model, names, dtypes)
+    graph_edits.pin_dims(model, _pinned(program.exported_program))
     declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
     renames = graph_edits.name_dims(model, declared, output_dims or {})
     model.graph.name = graph_name
+    input_dims = graph_edits.input_dims(model)
+    numbers = _numbers(program.exported_program, examples)
+    dynamic_reads = {(i, a) for i, dims in enumerate(input_dims) for a, d in enumerate(dims) if not isinstance(d, int)}
+    dynamic_reads |= {(i, None) for i, v in enumerate(examples) if not isinstance(v, torch.Tensor)} - {
+        (i, None) for i in numbers["specialized"]
+    }
+    trees, opaque = conds.dead_conditions(program.exported_program)
     return ExportedGraph(
         model_proto=ir.to_proto(model),
-        input_dims=graph_edits.input_dims(model),
+        input_dims=input_dims,
         output_dims=graph_edits.output_dims(model),
         graph_leaves=list(graph_leaves),
         constants=dict(constants),
         dim_ranges=_ranges(program.exported_program, renames),
-        **_numbers(program.exported_program, examples),
+        conditions=[(t, conds.evaluate(t, _example_sizes(examples))) for t in conds.relevant(trees, dynamic_reads)],
+        opaque=opaque & dynamic_reads,
+        **numbers,
     )
+
+
+def _example_sizes(examples: Sequence[Any]) -> Callable[[int, int | None], Any]:
+    return lambda i, axis: examples[i] if axis is None else examples[i].shape[axis]
 
 
 def _leaf_dtype(dtype: torch.dtype | None) -> ir.DataType:
@@ -180,6 +202,15 @@ def _ranges(program: Any, renames: Mapping[str, str]) -> dict[str, tuple[int, in
         hi = None if upper is None or not _finite(upper) else int(upper)
         ranges[name] = (int(lower) if _finite(lower) else 0, hi)
     return ranges
+
+
+def _pinned(program: Any) -> dict[str, int]:
+    """Symbols the exporter's ranges pin to a single value: static in truth."""
+    return {
+        str(symbol): int(bounds.lower)
+        for symbol, bounds in getattr(program, "range_constraints", {}).items()
+        if _finite(bounds.lower) and bounds.lower == bounds.upper
+    }
 
 
 def _numbers(program: Any, examples: Sequence[Any]) -> dict[str, Any]:

@@ -52,6 +52,17 @@ def fix_outputs(model: ir.Model, names: Sequence[str], dtypes: Sequence[ir.DataT
         value.name = name
 
 
+def pin_dims(model: ir.Model, pinned: Mapping[str, int]) -> None:
+    """Make dims whose symbol the exporter pinned to one value (range [v, v]) static ``v``."""
+    if not pinned:
+        return
+    for value in _all_values(model.graph):
+        shape = value.shape
+        if shape is None or not any(isinstance(d, ir.SymbolicDim) and d.value in pinned for d in shape):
+            continue
+        value.shape = ir.Shape([pinned[d.value] if isinstance(d, ir.SymbolicDim) and d.value in pinned else d for d in shape])
+
+
 def name_inputs(model: ir.Model, names: Sequence[str]) -> None:
     """Rename the graph inputs (the exporter may have renamed them to avoid clashes)."""
     for value, name in zip(model.graph.inputs, names):

@@ -36,9 +36,9 @@ class TinyNet(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def _restore_config():
-    saved = (cr.config.cache_size, cr.config.recapture_limit, dict(cr.config.tolerances))
+    saved = (cr.config.cache_size, cr.config.recapture_limit, dict(cr.config.tolerances), cr.config.intra_op_threads)
     yield
-    cr.config.cache_size, cr.config.recapture_limit, cr.config.tolerances = saved
+    cr.config.cache_size, cr.config.recapture_limit, cr.config.tolerances, cr.config.intra_op_threads = saved
 
 
 def eager_and_served(f, *args, **kwargs):

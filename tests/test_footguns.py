@@ -152,16 +152,26 @@ def test_a_graph_that_disagrees_with_eager_is_never_served():
     assert not torch.equal(f(x), first)  # eager each time: fresh draws, as the user wrote it
 
 
-def test_a_graph_failing_on_inputs_its_guard_accepts_is_recaptured_not_raised():
-    def halves(x):
-        return x.reshape(2, -1).sum(0)  # needs an even size: the exporter leaves the axis dynamic
+def test_branches_on_dynamic_sizes_are_rechecked_on_every_call():
+    def by_rows(x):  # the exporter takes one branch and leaves no check behind in the graph
+        return x.sum(0) if x.shape[0] == 4 else x.mean(0)
 
-    f = cr.compile(halves, dynamic=True)
-    torch.testing.assert_close(f(torch.ones(4)), torch.full((2,), 2.0))
-    with pytest.raises(RuntimeError):
-        halves(torch.ones(5))  # eager rejects an odd size itself...
-    with pytest.raises(RuntimeError):
-        f(torch.ones(5))  # ...and so does the compiled function, with eager's own error
-    torch.testing.assert_close(f(torch.ones(6)), torch.full((3,), 2.0))
+    f = cr.compile(by_rows)
+    f(torch.ones(4, 3))
+    f(torch.ones(5, 3))  # drift: axis 0 dynamic, traced through the mean branch
+    for rows in (6, 4, 7, 4):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(f(x), by_rows(x))
+    assert any("x.shape[0] == 4 was False, now True" in r for r in f.recapture_reasons), f.recapture_reasons
+
+
+def test_a_graph_failing_on_inputs_its_guard_accepts_gives_eagers_error_then_recaptures():
+    table = torch.nn.Embedding(10, 4).eval()
+    f = cr.compile(table)
+    with torch.no_grad():
+        f(torch.tensor([1, 2]))
+        with pytest.raises(IndexError):  # onnxruntime fails on the bad index; eager says why
+            f(torch.tensor([1, 12]))
+        torch.testing.assert_close(f(torch.tensor([3, 4])), table(torch.tensor([3, 4])))
     assert f.recapture_reasons[0].startswith("the graph failed on these inputs")
     assert f.state is State.Compiled

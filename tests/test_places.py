@@ -71,3 +71,27 @@ def test_bfloat16_float16_bool_int_zero_d_and_non_contiguous_inputs_are_served()
     g = cr.compile(lambda x: x * 2)
     g(torch.tensor(3.0))
     torch.testing.assert_close(g(torch.tensor(5.0)), torch.tensor(10.0))
+
+
+def test_optimize_false_serves_the_graph_as_exported_with_basic_session_optimisation():
+    def fn(x):
+        return (x * 2 + 0) * 1 + torch.zeros(3).sum()
+
+    plain = cr.compile(fn, optimize=False)
+    tuned = cr.compile(fn)
+    x = torch.randn(3)
+    plain(x), tuned(x)
+    torch.testing.assert_close(plain(x), fn(x))
+    assert plain._current._runner._session.get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    assert tuned._current._runner._session.get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    assert len(plain.take_graph().model_proto.graph.node) > len(tuned.take_graph().model_proto.graph.node)
+
+
+def test_session_threads_follow_torch_unless_configured():
+    f = cr.compile(lambda x: x + 1)
+    f(torch.zeros(2))
+    assert f._current._runner._session.get_session_options().intra_op_num_threads == torch.get_num_threads()
+    cr.config.intra_op_threads = 1
+    g = cr.compile(lambda x: x - 1)
+    g(torch.zeros(2))
+    assert g._current._runner._session.get_session_options().intra_op_num_threads == 1

@@ -64,11 +64,18 @@ def test_dynamic_true_keeps_axes_the_exporter_proves_static_guarded():
     f(torch.randn(2, 4))
     f(torch.randn(7, 4))
     assert f.recapture_count == 0
-    g = cr.compile(lambda x: x.reshape(2, 3) * 2, dynamic=True)  # the reshape fixes x's size
-    g(torch.randn(6))
-    torch.testing.assert_close(g(torch.arange(6.0)), torch.arange(6.0).reshape(2, 3) * 2)
-    torch.testing.assert_close(g(torch.randn(3, 2).flatten()).shape, torch.Size([2, 3]))
-    assert g.state is State.Compiled
+    assert f.take_graph().dynamic_axes["x"] == {0: "x_dim0"}  # axis 1 proven static
+
+    def by_rows(x):  # a branch on a size: the exporter pins axis 0 to 4
+        return x.sum(0) if x.shape[0] == 4 else x.mean(0)
+
+    g = cr.compile(by_rows, dynamic=True)
+    g(torch.randn(4, 3))
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(g(x), x.mean(0))  # drift on the pinned axis: re-captured, right branch
+    assert g.recapture_reasons == ["shape drift: input 'x' axis 0: 4 -> 5"]
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(g(x), by_rows(x))
 
 
 def test_dynamic_false_puts_shapes_in_the_key():

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -265,3 +266,12 @@ def test_loaded_graph_takes_python_numbers_with_numpy_arrays(tmp_path):
     f(torch.arange(5.0), 3)
     served = cr.load(f.take_graph().save(tmp_path / "numbers.onnx"))
     np.testing.assert_array_equal(served(np.arange(5.0, dtype=np.float32), 2), np.array([2.0, 3.0], np.float32))
+
+
+def test_console_script_and_module_entry_point(shipped):
+    _, _, path, _ = shipped
+    script = Path(sys.executable).parent / "clika-runtime"
+    for command in ([str(script)], [sys.executable, "-m", "clika_runtime"]):
+        result = subprocess.run(command + ["inspect", str(path), "--json"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["graph_name"] == "Tagger"

@@ -1,0 +1,120 @@
+"""Shape conditions the exporter traced through but did not keep.
+
+torch.export evaluates Python branches on sizes (``if x.shape[0] == 4:``) at trace time and, for
+dynamic dims, may leave no runtime check behind: the exported program only holds the dead
+comparison nodes. A graph served for sizes that flip such a comparison would take the wrong
+branch silently. These helpers turn each dead comparison into data: an expression tree over input
+sizes and lifted numbers, and the value it had at capture. The serving side re-evaluates them.
+
+Tree nodes: ``("size", input, axis)``, ``("num", input)``, ``("const", value)``,
+``(op, child, ...)`` with ``op`` one of ``OPS``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+
+OPS = {
+    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
+    "ge": operator.ge, "add": operator.add, "sub": operator.sub, "mul": operator.mul,
+    "floordiv": operator.floordiv, "mod": operator.mod, "neg": operator.neg, "not": operator.not_,
+    "and": operator.and_, "or": operator.or_, "max": max, "min": min,
+}
+_TARGETS = {
+    operator.eq: "eq", operator.ne: "ne", operator.lt: "lt", operator.le: "le", operator.gt: "gt",
+    operator.ge: "ge", operator.add: "add", operator.sub: "sub", operator.mul: "mul",
+    operator.floordiv: "floordiv", operator.mod: "mod", operator.neg: "neg", torch.sym_not: "not",
+    operator.and_: "and", operator.or_: "or", torch.sym_max: "max", torch.sym_min: "min",
+}
+_COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge", "not", "and", "or"}
+
+
+class Opaque(Exception):
+    """A condition built from an operation this module does not evaluate."""
+
+
+def evaluate(tree: tuple, sizes: Any) -> Any:
+    """Value of a tree for ``sizes(input, axis)`` / numbers via ``sizes(input, None)``."""
+    kind = tree[0]
+    if kind == "size":
+        return sizes(tree[1], tree[2])
+    if kind == "num":
+        return sizes(tree[1], None)
+    if kind == "const":
+        return tree[1]
+    return OPS[kind](*(evaluate(child, sizes) for child in tree[1:]))
+
+
+def leaves_of(tree: tuple) -> set[tuple[int, int | None]]:
+    """The (input, axis) pairs a tree reads (axis ``None`` for a lifted number)."""
+    if tree[0] == "size":
+        return {(tree[1], tree[2])}
+    if tree[0] == "num":
+        return {(tree[1], None)}
+    if tree[0] == "const":
+        return set()
+    return set().union(*(leaves_of(child) for child in tree[1:]))
+
+
+def dead_conditions(program: Any) -> tuple[list[tuple], set[tuple[int, int | None]]]:
+    """Trees of the dead comparisons in an exported program, and the inputs of any it cannot express.
+
+    Returns ``(trees, opaque)``: ``opaque`` holds (input, axis) pairs read by conditions that use
+    operations outside ``OPS``; the caller must keep those static.
+    """
+    user = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    index = {name: i for i, name in enumerate(user)}
+    trees, opaque = [], set()
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.users or _TARGETS.get(node.target) not in _COMPARISONS:
+            continue
+        try:
+            trees.append(_tree(node, index))
+        except Opaque:
+            opaque |= _reads(node, index)
+    return trees, opaque
+
+
+def _tree(node: Any, index: dict[str, int]) -> tuple:
+    if not isinstance(node, torch.fx.Node):
+        if isinstance(node, (bool, int)):
+            return ("const", node)
+        raise Opaque(node)
+    if node.op == "placeholder" and node.name in index:
+        return ("num", index[node.name])
+    if node.op == "call_function" and node.target is torch.ops.aten.sym_size.int:
+        source, axis = node.args
+        if source.op == "placeholder" and source.name in index:
+            return ("size", index[source.name], int(axis))
+        raise Opaque(node)
+    name = _TARGETS.get(node.target) if node.op == "call_function" else None
+    if name is None or node.kwargs:
+        raise Opaque(node)
+    return (name, *(_tree(arg, index) for arg in node.args))
+
+
+def _reads(node: Any, index: dict[str, int]) -> set[tuple[int, int | None]]:
+    found: set[tuple[int, int | None]] = set()
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, torch.fx.Node) or current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder" and current.name in index:
+            found.add((index[current.name], None))
+        elif current.op == "call_function" and current.target is torch.ops.aten.sym_size.int:
+            source, axis = current.args
+            if source.name in index:
+                found.add((index[source.name], int(axis)))
+        else:
+            stack.extend(a for a in current.args if isinstance(a, torch.fx.Node))
+    return found
+
+
+def relevant(trees: Sequence[tuple], dynamic: set[tuple[int, int | None]]) -> list[tuple]:
+    """The trees that read at least one dynamic size or lifted number (others cannot change)."""
+    return [t for t in trees if leaves_of(t) & dynamic]
