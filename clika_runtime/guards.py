@@ -7,6 +7,7 @@ Guard: a capture's static sizes, the axes its graph requires equal, and the size
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import copysign
 from typing import Any, Sequence
 
 import torch
@@ -40,9 +41,10 @@ def key_parts(
         if lifted and i in lifted:
             feeds.append(leaf)
             statics.append(kind)
-        else:
-            # type joins the value: 1, 1.0 and True hash alike but must not share a capture
-            statics.append((kind, leaf) if kind is not float or leaf == leaf else (kind, _NAN))
+        elif kind is float:  # NaN != NaN would miss every time; -0.0 == 0.0 but 1/-0.0 != 1/0.0
+            statics.append((kind, leaf, copysign(1.0, leaf)) if leaf == leaf else (kind, _NAN))
+        else:  # type joins the value: 1, 1.0 and True hash alike but must not share a capture
+            statics.append((kind, leaf))
     return feeds, tuple(statics), tuple(metas), grad
 
 
@@ -194,8 +196,8 @@ def _short(spec: Any) -> str:
 
 
 def _value(static: Any) -> str:
-    if isinstance(static, tuple) and len(static) == 2:
-        _, value = static
+    if isinstance(static, tuple):
+        value = static[1]
         return f"{value!r}" if value is not _NAN else "nan"
     return f"<{getattr(static, '__name__', static)} graph input>"
 

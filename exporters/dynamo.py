@@ -160,6 +160,7 @@ def export_graph(
     dtypes = [_leaf_dtype(output_dtypes[i]) for i in graph_leaves]
     graph_edits.fix_outputs(model, names, dtypes)
     graph_edits.pin_dims(model, _pinned(program.exported_program))
+    graph_edits.pin_derived_inputs(model, examples)
     declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
     renames = graph_edits.name_dims(model, declared, output_dims or {})
     model.graph.name = graph_name

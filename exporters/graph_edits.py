@@ -7,7 +7,7 @@ give the graph the names its users know and fix the output dtypes the exporter m
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -61,6 +61,23 @@ def pin_dims(model: ir.Model, pinned: Mapping[str, int]) -> None:
         if shape is None or not any(isinstance(d, ir.SymbolicDim) and d.value in pinned for d in shape):
             continue
         value.shape = ir.Shape([pinned[d.value] if isinstance(d, ir.SymbolicDim) and d.value in pinned else d for d in shape])
+
+
+def pin_derived_inputs(model: ir.Model, examples: Sequence[Any]) -> None:
+    """Input dims the exporter wrote as expressions of other dims (``2*s0``): static at the example.
+
+    The guard compares names, not arithmetic; an expression dim is pinned so that a call is never
+    served where the relation does not hold (a drift re-captures instead).
+    """
+    for value, example in zip(model.graph.inputs, examples):
+        shape = value.shape
+        if shape is None or not hasattr(example, "shape"):
+            continue
+        dims = [
+            int(example.shape[a]) if isinstance(d, ir.SymbolicDim) and d.value and not d.value.isidentifier() else d
+            for a, d in enumerate(shape)
+        ]
+        value.shape = ir.Shape(dims)
 
 
 def name_inputs(model: ir.Model, names: Sequence[str]) -> None:

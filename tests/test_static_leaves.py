@@ -64,3 +64,10 @@ def test_unhashable_static_leaf_serves_eagerly_with_one_warning():
     assert f.state is cr.CompiledFunction.State.Pending
     with pytest.raises(CaptureError, match="unhashable type Opaque"):
         cr.compile(lambda x, cfg: x * cfg.k, fullgraph=True)(x, Opaque(2))
+
+
+def test_negative_zero_is_not_zero():
+    f = cr.compile(lambda x, s: x / s)
+    x = torch.ones(2)
+    torch.testing.assert_close(f(x, 0.0), torch.full((2,), float("inf")))
+    torch.testing.assert_close(f(x, -0.0), torch.full((2,), float("-inf")))
