@@ -203,6 +203,7 @@ class CompiledFunction(Generic[P, R]):
             self._lifted: dict[Any, frozenset[int]] = {}
             self._unliftable: dict[Any, frozenset[int]] = {}  # numbers the exporter could not lift
             self._run_failure: str | None = None  # why the last served call failed, for the re-capture
+            self._static_axes: set[tuple[str, int]] = set()  # (input, axis) the exporter could not make dynamic
             self._recaptures = 0
             self._reasons: list[str] = []
             self._state = State.Pending
@@ -248,7 +249,10 @@ class CompiledFunction(Generic[P, R]):
                 return existing.run(call.feeds)
             if existing is not None:
                 drifted, reasons = existing.guard.drift(call.feeds, existing.feed_names)
-                dynamic = [{**{a: None for a in axes}, **d} for d, axes in zip(existing.dynamic, drifted)]
+                dynamic = [
+                    self._without_static({**{a: None for a in axes}, **d}, name, declared)
+                    for d, axes, name, declared in zip(existing.dynamic, drifted, call.names, self._declared_axes(call))
+                ]
             else:
                 lifted, reasons = self._lift_changed_numbers(call)
                 if reasons:  # numbers became graph inputs: they leave the key
@@ -299,17 +303,10 @@ class CompiledFunction(Generic[P, R]):
         try:
             capture = self._build(call, dynamic, out)
         except CaptureError as e:
-            if not call.lifted:
-                return self._give_up(f"capture failed: {e}", call.args, call.kwargs, result=out, cause=e)
-            # The exporter could not lift these numbers: bake them and try once more.
-            lifted_names = [n for n, p in zip(call.names, call.positions) if p in call.lifted]
-            self._unliftable[call.spec] = self._unliftable.get(call.spec, frozenset()) | call.lifted
-            self._record([f"numbers {lifted_names} stay baked: the exporter could not lift them ({_first_line(e)})"])
-            call = self._call(call.args, call.kwargs, call.leaves, call.spec, frozenset())
             try:
-                capture = self._build(call, self._initial_dynamic(call), out)
-            except CaptureError as e2:
-                return self._give_up(f"capture failed: {e2}", call.args, call.kwargs, result=out, cause=e2)
+                call, capture = self._degrade(call, dynamic, out, e)
+            except CaptureError as final:
+                return self._give_up(f"capture failed: {final}", call.args, call.kwargs, result=out, cause=final)
         if call.lifted:
             self._lifted[call.spec] = call.lifted
         else:
@@ -321,6 +318,27 @@ class CompiledFunction(Generic[P, R]):
         self._last_key = call.key
         self._state = _COMPILED
         return out
+
+    def _degrade(self, call: Call, dynamic: list[dict[int, str | None]], out: Any, error: CaptureError) -> tuple[Call, Any]:
+        """Retry a failed capture asking less of the exporter: lifted numbers baked, then the axes
+        that only drift made dynamic exported static. Each step is recorded; the last error is raised."""
+        if call.lifted:
+            lifted_names = [n for n, p in zip(call.names, call.positions) if p in call.lifted]
+            self._unliftable[call.spec] = self._unliftable.get(call.spec, frozenset()) | call.lifted
+            self._record([f"numbers {lifted_names} stay baked: the exporter could not lift them ({_first_line(error)})"])
+            call = self._call(call.args, call.kwargs, call.leaves, call.spec, frozenset())
+            dynamic = self._initial_dynamic(call)
+            try:
+                return call, self._build(call, dynamic, out)
+            except CaptureError as e:
+                error = e
+        declared = self._declared_axes(call)
+        learned = [(n, a) for n, d, k in zip(call.names, dynamic, declared) for a in d if a not in k]
+        if not learned:
+            raise error
+        self._static_axes |= set(learned)
+        self._record([f"axes {learned} could not be exported dynamic ({_first_line(error)}); captured them static"])
+        return call, self._build(call, declared, out)
 
     def _build(self, call: Call, dynamic: list[dict[int, str | None]], out: Any) -> capture_mod.Capture:
         request = capture_mod.CaptureRequest(
@@ -425,26 +443,40 @@ class CompiledFunction(Generic[P, R]):
                 )
 
     def _initial_dynamic(self, call: Call) -> list[dict[int, str | None]]:
-        """Dynamic axes of a new key's first capture, with declared dim names."""
+        """Dynamic axes of a new key's first capture: declared ones, with ``dynamic=True`` every
+        axis, with ``dynamic=None`` those earlier drift taught about the same input."""
         previous = dict(zip(self._current.feed_names, self._current.dynamic)) if self._current else {}
+        dynamic = []
+        for name, value, declared in zip(call.names, call.feeds, self._declared_axes(call)):
+            axes: dict[int, str | None] = {}
+            if isinstance(value, _Tensor) and self._dynamic is True:
+                axes = {a: None for a in range(value.dim())}
+            elif isinstance(value, _Tensor) and self._dynamic is None:
+                axes = {a: n for a, n in previous.get(name, {}).items() if a < value.dim()}
+            dynamic.append(self._without_static({**axes, **declared}, name, declared))
+        return dynamic
+
+    def _declared_axes(self, call: Call) -> list[dict[int, str | None]]:
+        """Per fed leaf, the axes the user declared dynamic (signature, dynamic_axes); a lifted
+        number is declared dynamic by being lifted."""
         n_tensors = sum(isinstance(t, _Tensor) for t in call.feeds)
         specs = iter(self._signature if len(self._signature) == n_tensors else ())
-        dynamic = []
+        declared = []
         for name, value, pos in zip(call.names, call.feeds, call.positions):
             if not isinstance(value, _Tensor):
-                dynamic.append({0: None} if pos in call.lifted else {})
+                declared.append({0: None} if pos in call.lifted else {})
                 continue
             axes: dict[int, str | None] = {}
-            if self._dynamic is True:
-                axes = {a: None for a in range(value.dim())}
-            elif self._dynamic is None:  # keep what earlier drift taught about this input
-                axes = {a: n for a, n in previous.get(name, {}).items() if a < value.dim()}
             spec = next(specs, None)
             if spec is not None:
                 axes.update({a: d for a, d in enumerate(spec.shape) if not isinstance(d, int)})
             axes.update({a: d for a, d in self._dynamic_axes.get(name, {}).items() if a < value.dim()})
-            dynamic.append(axes)
-        return dynamic
+            declared.append(axes)
+        return declared
+
+    def _without_static(self, axes: dict[int, str | None], name: str, declared: dict[int, str | None]) -> dict[int, str | None]:
+        """Drop axes the exporter could not make dynamic before (declared axes are always asked)."""
+        return {a: n for a, n in axes.items() if a in declared or (name, a) not in self._static_axes}
 
     def _check_output_axes(self, out: Any, call: Call) -> None:
         """``dynamic_axes`` names that are neither inputs nor outputs: an error listing both."""

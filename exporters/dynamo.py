@@ -254,6 +254,7 @@ def _quiet():
     try:
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations, not the user's
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy noise from constant folding (log(0)...)
             # The training flag is part of the capture key: exporting a training-mode module is intended.
             warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
             yield

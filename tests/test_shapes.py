@@ -270,3 +270,16 @@ def test_a_lifted_int_is_guarded_by_the_range_the_exporter_assumed():
     for k in (3, 2, 4, 1, 0):
         torch.testing.assert_close(f(x, k), x[:k] * 2)
     assert f.input_names == ["x", "k"]
+
+
+def test_axes_the_exporter_cannot_make_dynamic_are_captured_static_with_the_reason():
+    def attend(q):  # a size-dependent bool argument: the exporter rejects it once the axis is dynamic
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=q.shape[2] > 1)
+
+    f = cr.compile(attend)
+    for seq in (4, 6, 6, 8):
+        q = torch.randn(1, 2, seq, 8)
+        torch.testing.assert_close(f(q), attend(q), rtol=1e-4, atol=1e-5)
+    assert f.state is State.Compiled
+    assert any("could not be exported dynamic" in r and "captured them static" in r for r in f.recapture_reasons)
+    assert f.take_graph().dynamic_axes.get("q", {}) == {}
