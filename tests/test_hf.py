@@ -41,3 +41,25 @@ def test_gpt2_compiles_drifts_and_serves_like_eager(gpt2):
     dims = graph.dynamic_axes
     assert dims["input_ids"] == {1: "input_ids_dim1"}
     assert dims["attention_mask"] == {1: "input_ids_dim1"}  # one name for axes the exporter proved equal
+
+
+def test_bert_drifting_batch_and_sequence_serves_like_eager():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100)
+    bert = BertModel(config).eval()
+    f = cr.compile(bert)
+
+    def batch(b, s):
+        return dict(input_ids=torch.randint(0, 100, (b, s)), attention_mask=torch.ones(b, s, dtype=torch.long),
+                    token_type_ids=torch.zeros(b, s, dtype=torch.long))
+
+    with torch.no_grad():
+        for b, s in [(2, 8), (2, 12), (3, 12), (1, 5), (4, 1), (2, 9)]:
+            inputs = batch(b, s)
+            got, expected = f(**inputs), bert(**inputs)
+            torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got.pooler_output, expected.pooler_output, rtol=1e-4, atol=1e-4)
+    assert f.state is cr.CompiledFunction.State.Compiled, f.recapture_reasons
+    assert f.input_names == ["input_ids", "attention_mask", "token_type_ids"]
