@@ -50,7 +50,9 @@ def _values(e: torch.Tensor, g: torch.Tensor) -> str | None:
         equal = torch.equal(e, g)
         return None if equal else f"values differ (exact match required for {e.dtype})"
     rtol, atol = config.tolerance(str(e.dtype).replace("torch.", ""))
-    e64, g64 = e.to(torch.float64) if not e.is_complex() else e, g.to(torch.float64) if not g.is_complex() else g
+    # Compare in float64 so float16/bfloat16 differences are measured, not rounded away.
+    e64 = e if e.is_complex() else e.to(torch.float64)
+    g64 = g if g.is_complex() else g.to(torch.float64)
     if torch.allclose(g64, e64, rtol=rtol, atol=atol, equal_nan=True):
         return None
     worst = (g64 - e64).abs().nan_to_num(nan=math.inf).max().item()

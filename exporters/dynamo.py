@@ -29,7 +29,6 @@ class ExportedGraph:
     Attributes:
         model_proto: the graph, with inputs, outputs and dims named.
         input_dims: per graph input, each axis as an int (static) or its dim name (dynamic).
-        output_dims: per graph output, likewise (a dynamic output dim may be an expression).
         graph_leaves: positions, in the flat output of ``fn``, of the leaves the graph computes.
         constants: the other output leaves, by position, as traced (baked into the capture).
         dim_ranges: dim name -> (lowest, highest or None) size the exporter assumed.
@@ -46,7 +45,6 @@ class ExportedGraph:
 
     model_proto: onnx.ModelProto
     input_dims: list[tuple[int | str | None, ...]]
-    output_dims: list[tuple[int | str | None, ...]]
     graph_leaves: list[int]
     constants: dict[int, Any]
     dim_ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
@@ -174,7 +172,6 @@ def export_graph(
     return ExportedGraph(
         model_proto=ir.to_proto(model),
         input_dims=input_dims,
-        output_dims=graph_edits.output_dims(model),
         graph_leaves=list(graph_leaves),
         constants=dict(constants),
         dim_ranges=_ranges(program.exported_program, renames),

@@ -145,11 +145,3 @@ def input_dims(model: ir.Model) -> list[tuple[int | str | None, ...]]:
         tuple(d if isinstance(d, int) else (d.value if isinstance(d, ir.SymbolicDim) else None) for d in v.shape or ())
         for v in model.graph.inputs
     ]
-
-
-def output_dims(model: ir.Model) -> list[tuple[int | str | None, ...]]:
-    """Each graph output's dims: an int where static, the dim name (or expression) where dynamic."""
-    return [
-        tuple(d if isinstance(d, int) else (d.value if isinstance(d, ir.SymbolicDim) else None) for d in v.shape or ())
-        for v in model.graph.outputs
-    ]
