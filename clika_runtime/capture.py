@@ -51,8 +51,9 @@ class Capture:
 
     def __init__(
         self, request: CaptureRequest, exported: exporters.ExportedGraph, runner: serving.TorchRunner,
-        out_spec: optree.PyTreeSpec, n_out: int, scalar_out: dict[int, type],
+        out_spec: optree.PyTreeSpec, n_out: int, scalar_out: dict[int, type], keep: Any = None,
     ) -> None:
+        self._keep = keep  # a temporary folder with the external data of a model past protobuf's limit
         self.key = request.key
         self.feed_names = list(request.feed_names)
         self.dynamic = [dict(d) for d in request.dynamic]
@@ -123,9 +124,10 @@ def build(request: CaptureRequest) -> Capture:
     }
     _attach_metadata(request, exported, out_spec, eager_leaves, scalar_out)
     graph_outputs = [names[pos] for pos in exported.graph_leaves]
+    source, folder = graph_mod.session_source(exported.model_proto)
     try:
         session = serving.open_session(
-            exported.model_proto.SerializeToString(), request.place,
+            source, request.place,
             optimize=request.optimize, intra_op_threads=config.intra_op_threads or torch.get_num_threads(),
         )
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
@@ -138,7 +140,7 @@ def build(request: CaptureRequest) -> Capture:
         + [leaf.dtype for leaf in eager_leaves if isinstance(leaf, torch.Tensor)],
         input_device=device,
     )
-    capture = Capture(request, exported, runner, out_spec, len(eager_leaves), scalar_out)
+    capture = Capture(request, exported, runner, out_spec, len(eager_leaves), scalar_out, keep=folder)
     _verify(capture, feeds, eager_leaves, names)
     return capture
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -27,8 +28,9 @@ META_OUTPUTS = "clika_runtime.outputs"
 META_DIMS = "clika_runtime.dims"
 META_PARAMETERS = "clika_runtime.parameters"
 
-# Protobuf cannot serialise a message past 2 GiB: above this the weights go to an external file.
-_PROTOBUF_LIMIT = 2**31 - 2**20
+# Protobuf cannot serialise a message past 2 GiB: past this many bytes of weights (a margin left
+# for the rest of the model) they go to an external file, for saving and for opening sessions.
+_PROTOBUF_LIMIT = 2**31 - 2**26
 
 _ONNX_TYPES = {
     "tensor(float)": "float32",
@@ -103,7 +105,7 @@ class ModelGraph:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if external_data is None:
-            external_data = self._proto.ByteSize() > _PROTOBUF_LIMIT
+            external_data = too_big(self._proto)
         if external_data:
             onnx.save_model(
                 self._proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -131,7 +133,8 @@ class ModelGraph:
 
     def serve(self, place: PlaceLike = None) -> "ServedGraph":
         """A callable serving this graph on ``place`` with the captured pytrees in and out."""
-        return ServedGraph(self._proto.SerializeToString(), place)
+        source, folder = session_source(self._proto)
+        return ServedGraph(source, place, keep=folder)
 
     def __repr__(self) -> str:
         return f"ModelGraph({self.graph_name!r}, inputs={self.input_names}, outputs={self.output_names})"
@@ -145,6 +148,21 @@ def load(path: str | os.PathLike, place: PlaceLike = None) -> "ServedGraph":
     numpy arrays out; torch tensors in give torch tensors out.
     """
     return ServedGraph(str(_existing(path)), place)
+
+
+def too_big(model_proto: Any) -> bool:
+    """Whether the model's weights are past what protobuf can serialise in one message."""
+    return sum(len(t.raw_data) for t in model_proto.graph.initializer) > _PROTOBUF_LIMIT
+
+
+def session_source(model_proto: Any) -> tuple[bytes | str, tempfile.TemporaryDirectory | None]:
+    """What onnxruntime opens: the serialised model, or, past protobuf's limit, a temporary file
+    with external data (the returned folder must outlive the session)."""
+    if not too_big(model_proto):
+        return model_proto.SerializeToString(), None
+    folder = tempfile.TemporaryDirectory(prefix="clika_runtime_")
+    path = ModelGraph(model_proto).save(Path(folder.name) / "graph.onnx", external_data=True)
+    return str(path), folder
 
 
 def _existing(path: str | os.PathLike) -> Path:
@@ -164,7 +182,8 @@ def _resolve_place(place: PlaceLike) -> serving.Place:
 class ServedGraph:
     """A shipped graph served by onnxruntime, called like the function it was captured from."""
 
-    def __init__(self, model: bytes | str, place: PlaceLike = None) -> None:
+    def __init__(self, model: bytes | str, place: PlaceLike = None, *, keep: Any = None) -> None:
+        self._keep = keep  # a temporary folder holding the model's external data, if any
         self._place = _resolve_place(place)
         where = model if isinstance(model, str) else "graph"
         try:

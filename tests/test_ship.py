@@ -275,3 +275,21 @@ def test_console_script_and_module_entry_point(shipped):
         result = subprocess.run(command + ["inspect", str(path), "--json"], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["graph_name"] == "Tagger"
+
+
+def test_models_past_the_protobuf_limit_use_external_data_everywhere(tmp_path, monkeypatch):
+    from clika_runtime import graph as graph_module
+
+    monkeypatch.setattr(graph_module, "_PROTOBUF_LIMIT", 1024)  # a 64x64 linear layer is past it now
+    model = torch.nn.Linear(64, 64).eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        f(x)
+        torch.testing.assert_close(f(x), model(x))  # served from a session opened on external data
+        graph = f.take_graph()
+    path = graph.save(tmp_path / "big.onnx")
+    assert (tmp_path / "big.onnx.data").is_file()  # external data chosen automatically
+    with torch.no_grad():
+        torch.testing.assert_close(cr.load(path)(x), model(x))
+        torch.testing.assert_close(graph.serve()(x), model(x))
