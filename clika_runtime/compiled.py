@@ -293,9 +293,9 @@ class CompiledFunction(Generic[P, R]):
         )
 
     def _capture(self, call: Call, dynamic: list[dict[int, str | None]]) -> Any:
-        versions = [t._version if isinstance(t, _Tensor) else None for t in call.feeds]
+        snapshots = [_snapshot(t) if isinstance(t, _Tensor) else None for t in call.feeds]
         out = self._target(*call.args, **call.kwargs)  # the target's own exceptions reach the caller unchanged
-        mutated = [n for n, t, v in zip(call.names, call.feeds, versions) if isinstance(t, _Tensor) and t._version != v]
+        mutated = [n for n, t, s in zip(call.names, call.feeds, snapshots) if s is not None and _mutated(t, s)]
         if mutated:
             why = f"input mutation: the call modified input(s) {mutated} in place, which a graph cannot reproduce"
             return self._give_up(why, call.args, call.kwargs, result=out)
@@ -539,6 +539,25 @@ def _user_level() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("clika_runtime"):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _snapshot(t: torch.Tensor) -> Any:
+    """What to compare after the eager call to tell whether it mutated ``t`` in place."""
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter: compare their bytes instead
+        return t.detach().clone()
+
+
+def _mutated(t: torch.Tensor, snapshot: Any) -> bool:
+    if isinstance(snapshot, int):
+        return t._version != snapshot
+    return t.shape != snapshot.shape or not torch.equal(_bytes(t), _bytes(snapshot))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # Bytes, not values: NaN != NaN would read as a mutation.
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _first_line(error: BaseException) -> str:

@@ -175,3 +175,24 @@ def test_a_graph_failing_on_inputs_its_guard_accepts_gives_eagers_error_then_rec
         torch.testing.assert_close(f(torch.tensor([3, 4])), table(torch.tensor([3, 4])))
     assert f.recapture_reasons[0].startswith("the graph failed on these inputs")
     assert f.state is State.Compiled
+
+
+def test_calls_under_inference_mode_capture_and_inference_tensor_mutation_is_caught():
+    f = cr.compile(lambda x: x.softmax(-1))
+    with torch.inference_mode():
+        f(torch.randn(2, 4))
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(f(x), x.softmax(-1))
+    assert f.state is State.Compiled
+
+    def bump(x):
+        x.add_(1)
+        return x * 2
+
+    g = cr.compile(bump)
+    with torch.inference_mode():
+        x = torch.zeros(3)
+        with pytest.warns(UserWarning, match="input mutation"):
+            g(x)
+    torch.testing.assert_close(x, torch.ones(3))
+    assert g.state is State.Fallback
