@@ -184,8 +184,18 @@ class CompiledFunction(Generic[P, R]):
 
     @property
     def recapture_reasons(self) -> list[str]:
-        """Why each re-capture (and each fall back to eager) happened, in order."""
+        """Why each re-capture happened, one entry per re-capture, in order."""
         return list(self._reasons)
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the function serves eagerly (``State.Fallback``); ``None`` otherwise."""
+        return self._fallback_why if self._state is State.Fallback else None
+
+    @property
+    def capture_notes(self) -> list[str]:
+        """What captures had to give up to succeed (numbers baked, axes exported static), in order."""
+        return list(self._notes)
 
     @property
     def input_names(self) -> list[str]:
@@ -206,6 +216,8 @@ class CompiledFunction(Generic[P, R]):
             self._static_axes: set[tuple[str, int]] = set()  # (input, axis) the exporter could not make dynamic
             self._recaptures = 0
             self._reasons: list[str] = []
+            self._notes: list[str] = []
+            self._fallback_why: str | None = None
             self._state = State.Pending
 
     def take_graph(self) -> ModelGraph:
@@ -325,7 +337,7 @@ class CompiledFunction(Generic[P, R]):
         if call.lifted:
             lifted_names = [n for n, p in zip(call.names, call.positions) if p in call.lifted]
             self._unliftable[call.spec] = self._unliftable.get(call.spec, frozenset()) | call.lifted
-            self._record([f"numbers {lifted_names} stay baked: the exporter could not lift them ({_first_line(error)})"])
+            self._note(f"numbers {lifted_names} stay baked: the exporter could not lift them ({_first_line(error)})")
             call = self._call(call.args, call.kwargs, call.leaves, call.spec, frozenset())
             dynamic = self._initial_dynamic(call)
             try:
@@ -337,7 +349,7 @@ class CompiledFunction(Generic[P, R]):
         if not learned:
             raise error
         self._static_axes |= set(learned)
-        self._record([f"axes {learned} could not be exported dynamic ({_first_line(error)}); captured them static"])
+        self._note(f"axes {learned} could not be exported dynamic ({_first_line(error)}); captured them static")
         return call, self._build(call, declared, out)
 
     def _build(self, call: Call, dynamic: list[dict[int, str | None]], out: Any) -> capture_mod.Capture:
@@ -359,9 +371,13 @@ class CompiledFunction(Generic[P, R]):
             pass
 
     def _record(self, reasons: Sequence[str]) -> None:
-        for reason in reasons:
-            logger.info("re-capture of %s: %s", self.__name__, reason)
-            self._reasons.append(reason)
+        reason = "; ".join(reasons)
+        logger.info("re-capture of %s: %s", self.__name__, reason)
+        self._reasons.append(reason)
+
+    def _note(self, note: str) -> None:
+        logger.info("capture of %s: %s", self.__name__, note)
+        self._notes.append(note)
 
     def _give_up(self, why: str, args: tuple, kwargs: dict, *, result: Any = None, run_eager: bool = False,
                  cause: Exception | None = None) -> Any:
@@ -373,7 +389,7 @@ class CompiledFunction(Generic[P, R]):
 
     def _fallback(self, why: str, warn: bool = True) -> None:
         self._state = State.Fallback
-        self._reasons.append(f"fallback: {why}")
+        self._fallback_why = why
         logger.log(logging.WARNING if warn else logging.INFO, "%s serves eagerly until reset(): %s", self.__name__, why)
         if warn:
             warnings.warn(f"clika_runtime: {self.__name__} serves eagerly until reset(): {why}", stacklevel=_user_level())

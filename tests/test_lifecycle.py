@@ -73,6 +73,7 @@ def test_shape_drift_recaptures_then_serves_any_size_on_the_drifted_axes(driftin
 
 def test_drift_reasons_name_input_axis_and_sizes(drifting):
     f, _ = drifting
+    assert len(f.recapture_reasons) == f.recapture_count
     assert f.recapture_reasons == [
         "shape drift: input 'x' axis 1: 5 -> 9",
         "shape drift: input 'x' axis 0: 2 -> 6",
@@ -141,10 +142,11 @@ def test_recapture_limit_falls_back_until_reset():
     assert f.state is State.Compiled and f.recapture_count == 1
     with pytest.warns(UserWarning, match="re-capture limit"):
         torch.testing.assert_close(f(x, 3), x + 3)
-    assert f.state is State.Fallback
+    assert f.state is State.Fallback and "re-capture limit (1) reached" in f.fallback_reason
     torch.testing.assert_close(f(x, 1), x + 1)  # eager from now on
     f.reset()
     assert f.state is State.Pending and f.recapture_count == 0 and f.recapture_reasons == []
+    assert f.fallback_reason is None
     f(x, 5)
     assert f.state is State.Compiled
 

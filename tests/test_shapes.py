@@ -261,7 +261,8 @@ def test_an_int_the_exporter_cannot_lift_stays_baked_with_the_reason_recorded():
     for n in (2, 3, 2, 1):
         torch.testing.assert_close(f(x, n), x * 2**n)
     assert f.state is State.Compiled and f.input_names == ["x"]
-    assert "stay baked: the exporter could not lift them" in f.recapture_reasons[0], f.recapture_reasons
+    assert "stay baked: the exporter could not lift them" in f.capture_notes[0], f.capture_notes
+    assert len(f.recapture_reasons) == f.recapture_count
 
 
 def test_a_lifted_int_is_guarded_by_the_range_the_exporter_assumed():
@@ -281,5 +282,5 @@ def test_axes_the_exporter_cannot_make_dynamic_are_captured_static_with_the_reas
         q = torch.randn(1, 2, seq, 8)
         torch.testing.assert_close(f(q), attend(q), rtol=1e-4, atol=1e-5)
     assert f.state is State.Compiled
-    assert any("could not be exported dynamic" in r and "captured them static" in r for r in f.recapture_reasons)
+    assert any("could not be exported dynamic" in n and "captured them static" in n for n in f.capture_notes)
     assert f.take_graph().dynamic_axes.get("q", {}) == {}
