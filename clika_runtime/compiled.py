@@ -31,6 +31,9 @@ _flatten = trees.flatten
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _NO_LIFT: frozenset[int] = frozenset()
+# Graphs kept per key for sizes on either side of a branch the trace took (`if seq == 1:`), so
+# calls alternating across it stop re-capturing once each side has its graph.
+_VARIANTS = 4
 
 
 @dataclass
@@ -158,16 +161,18 @@ class CompiledFunction(Generic[P, R]):
             feeds, statics, metas, grad = key_parts(leaves, lifted, self._shapes_in_key)
             owner = self._owner
             try:
-                capture = self._captures.get((spec, statics, metas, owner.training if owner is not None else None))
+                entry = self._captures.get((spec, statics, metas, owner.training if owner is not None else None))
             except TypeError:  # an unhashable static leaf: the miss path explains it
-                capture = None
-            if capture is not None and capture.guard.matches(feeds) and not (grad and _grad_enabled()):
-                if capture is not self._current:
-                    self._touch(capture)
-                try:
-                    return capture.run(feeds)
-                except Exception as error:  # the graph rejected inputs its guard let through
-                    return self._run_failed(capture, error, args, kwargs)
+                entry = None
+            if entry is not None and not (grad and _grad_enabled()):
+                for capture in entry:  # almost always one; more when the trace branched on sizes
+                    if capture.guard.matches(feeds):
+                        if capture is not self._current:
+                            self._touch(capture)
+                        try:
+                            return capture.run(feeds)
+                        except Exception as error:  # the graph rejected inputs its guard let through
+                            return self._run_failed(capture, error, args, kwargs)
         return self._miss(args, kwargs)
 
     # --------------------------------------------------------------------------------- public state
@@ -207,7 +212,8 @@ class CompiledFunction(Generic[P, R]):
     def reset(self) -> None:
         """Drop every capture, the re-capture count and reasons; the next call captures again."""
         with self._lock:
-            self._captures: OrderedDict[tuple, capture_mod.Capture] = OrderedDict()
+            # key -> its captures: one, or a few variants when the trace branched on sizes
+            self._captures: OrderedDict[tuple, list[capture_mod.Capture]] = OrderedDict()
             self._current: capture_mod.Capture | None = None
             self._last_key: tuple | None = None
             self._lifted: dict[Any, frozenset[int]] = {}
@@ -236,7 +242,7 @@ class CompiledFunction(Generic[P, R]):
             return graph
 
     def __repr__(self) -> str:
-        return f"<CompiledFunction {self.__name__} {self._state.name}, {len(self._captures)} capture(s)>"
+        return f"<CompiledFunction {self.__name__} {self._state.name}, {sum(map(len, self._captures.values()))} capture(s)>"
 
     # ------------------------------------------------------------------------------------ miss path
 
@@ -255,11 +261,16 @@ class CompiledFunction(Generic[P, R]):
                 hash(call.key)
             except TypeError:
                 return self._unhashable(args, kwargs, leaves)
-            existing = self._captures.get(call.key)
-            if existing is not None and existing.guard.matches(call.feeds):  # captured by another thread
-                self._touch(existing)
-                return existing.run(call.feeds)
-            if existing is not None:
+            entry = self._captures.get(call.key, [])
+            for existing in entry:
+                if existing.guard.matches(call.feeds):  # captured by another thread meanwhile
+                    self._touch(existing)
+                    return existing.run(call.feeds)
+            variant = False
+            if entry:
+                existing = entry[-1]
+                # Only a size condition flipped: the new graph joins this key's variants.
+                variant = existing.guard.matches(call.feeds, conditions=False)
                 drifted, reasons = existing.guard.drift(call.feeds, existing.feed_names)
                 dynamic = [
                     self._without_static({**{a: None for a in axes}, **d}, name, declared)
@@ -281,13 +292,16 @@ class CompiledFunction(Generic[P, R]):
                     return self._give_up(why, args, kwargs, run_eager=True)
                 self._recaptures += 1
                 self._record(reasons)
-            return self._capture(call, dynamic)
+            return self._capture(call, dynamic, variant)
 
     def _run_failed(self, capture: capture_mod.Capture, error: Exception, args: tuple, kwargs: dict) -> Any:
         """A graph failed on inputs its guard accepted: drop it and capture again from this call."""
         with self._lock:
-            if self._captures.get(capture.key) is capture:
-                del self._captures[capture.key]
+            rest = [c for c in self._captures.get(capture.key, []) if c is not capture]
+            if rest:
+                self._captures[capture.key] = rest
+            else:
+                self._captures.pop(capture.key, None)
             self._run_failure = f"the graph failed on these inputs ({_first_line(error)}); re-captured from them"
         return self._miss(args, kwargs)
 
@@ -304,7 +318,7 @@ class CompiledFunction(Generic[P, R]):
             key=(spec, statics, metas, training),
         )
 
-    def _capture(self, call: Call, dynamic: list[dict[int, str | None]]) -> Any:
+    def _capture(self, call: Call, dynamic: list[dict[int, str | None]], variant: bool = False) -> Any:
         snapshots = [_snapshot(t) if isinstance(t, _Tensor) else None for t in call.feeds]
         out = self._target(*call.args, **call.kwargs)  # the target's own exceptions reach the caller unchanged
         mutated = [n for n, t, s in zip(call.names, call.feeds, snapshots) if s is not None and _mutated(t, s)]
@@ -323,7 +337,8 @@ class CompiledFunction(Generic[P, R]):
             self._lifted[call.spec] = call.lifted
         else:
             self._lifted.pop(call.spec, None)
-        self._captures[call.key] = capture
+        kept = self._captures.get(call.key, []) if variant else []
+        self._captures[call.key] = (kept + [capture])[-_VARIANTS:]
         self._touch(capture)
         while len(self._captures) > max(1, config.cache_size):
             self._captures.popitem(last=False)

@@ -85,8 +85,8 @@ class ShapeGuard:
             self, "_bounds", tuple((positions[n][0], lo, hi) for n, (lo, hi) in bounds.items() if n in positions)
         )
 
-    def matches(self, feeds: Sequence[Any]) -> bool:
-        """True when the graph may serve these inputs."""
+    def matches(self, feeds: Sequence[Any], conditions: bool = True) -> bool:
+        """True when the graph may serve these inputs (size conditions skipped if ``conditions`` is False)."""
         for i, shape in self._exact:
             if feeds[i].shape != shape:
                 return False
@@ -106,7 +106,7 @@ class ShapeGuard:
         for i, lo, hi in self.numbers:
             if feeds[i] < lo or (hi is not None and feeds[i] > hi):
                 return False
-        if self.conditions:
+        if conditions and self.conditions:
             sizes = _sizes(feeds)
             for tree, expected in self.conditions:
                 if evaluate(tree, sizes) != expected:

@@ -196,3 +196,16 @@ def test_calls_under_inference_mode_capture_and_inference_tensor_mutation_is_cau
             g(x)
     torch.testing.assert_close(x, torch.ones(3))
     assert g.state is State.Fallback
+
+
+def test_calls_alternating_across_a_size_branch_stop_recapturing():
+    target = Counted(lambda x: x.sum(0) if x.shape[0] == 1 else x.mean(0))
+    f = cr.compile(target)
+    f(torch.ones(3, 2))
+    f(torch.ones(5, 2))  # axis 0 dynamic, traced through the mean branch
+    f(torch.ones(1, 2))  # the branch flips: a second graph for this key
+    count, calls = f.recapture_count, target.calls
+    for rows in (1, 7, 1, 4, 1):
+        x = torch.randn(rows, 2)
+        torch.testing.assert_close(f(x), x.sum(0) if rows == 1 else x.mean(0))
+    assert f.recapture_count == count == 2 and target.calls == calls
