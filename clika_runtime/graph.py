@@ -32,7 +32,7 @@ META_PARAMETERS = "clika_runtime.parameters"
 # for the rest of the model) they go to an external file, for saving and for opening sessions.
 _PROTOBUF_LIMIT = 2**31 - 2**26
 
-_ONNX_TYPES = {
+ONNX_TYPE_NAMES = {  # onnxruntime's type strings -> dtype names (numpy's, and bfloat16)
     "tensor(float)": "float32",
     "tensor(double)": "float64",
     "tensor(float16)": "float16",
@@ -203,7 +203,7 @@ class ServedGraph:
         self._parameters = json.loads(meta.get(META_PARAMETERS, "[]"))
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
-        self._expect = [(i.name, _ONNX_TYPES.get(i.type, i.type), list(i.shape)) for i in self._session.get_inputs()]
+        self._expect = [(i.name, ONNX_TYPE_NAMES.get(i.type, i.type), list(i.shape)) for i in self._session.get_inputs()]
         self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
         self._numpy_unfit = [o.name for o in self._session.get_outputs() if o.type == "tensor(bfloat16)"]
         self._torch: Any = None
@@ -296,7 +296,7 @@ class ServedGraph:
 
         tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in feeds]
         if self._torch is None:
-            dtypes = [t.dtype for t in tensors] + [_ONNX_TYPES.get(o.type, o.type) for o in self._session.get_outputs()]
+            dtypes = [t.dtype for t in tensors] + [ONNX_TYPE_NAMES.get(o.type, o.type) for o in self._session.get_outputs()]
             self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
         return self._torch.run(tensors)
 

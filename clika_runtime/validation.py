@@ -16,14 +16,10 @@ import numpy as np
 
 import serving
 from clika_runtime.errors import GraphFileError, PlaceError
+from clika_runtime.graph import ONNX_TYPE_NAMES
 
 DEFAULT_SIZES = (1, 3, 8)
 
-_NUMPY = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int8)": np.int8, "tensor(int16)": np.int16, "tensor(int32)": np.int32, "tensor(int64)": np.int64,
-    "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_,
-}
 
 
 @dataclass
@@ -202,7 +198,8 @@ def _assignments(sizes: Mapping[str, Sequence[int]]) -> list[dict[str, int]]:
 def _run_once(session: Any, assignment: Mapping[str, int], rng: np.random.Generator) -> tuple[bool, str]:
     feeds = {}
     for value in session.get_inputs():
-        dtype = _NUMPY.get(value.type)
+        name = ONNX_TYPE_NAMES.get(value.type)
+        dtype = np.dtype(name).type if name and name != "bfloat16" and not name.startswith("complex") else None
         if dtype is None:
             return False, f"input '{value.name}': type {value.type} cannot be generated"
         shape = [assignment.get(d, 1) if isinstance(d, str) or d is None else d for d in value.shape]
