@@ -14,7 +14,7 @@ import torch
 import exporters
 import serving
 from clika_runtime import graph as graph_mod
-from clika_runtime import treedesc, trees
+from clika_runtime import hits, treedesc, trees
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError, VerificationError
 from clika_runtime.guards import ShapeGuard
@@ -77,7 +77,8 @@ class Capture:
         direct = not exported.constants and not scalar_out and not self._lift
         # run(feeds) -> the output tree; the common case (every output leaf a tensor the graph
         # computes, no lifted numbers) is one closure over the runner, for the hot path.
-        self.run: Callable[[Sequence[Any]], Any] = _direct_run(runner.run, out_spec.unflatten) if direct else self._run
+        self.run: Callable[[Sequence[Any]], Any] = _direct_run(runner.run, out_spec) if direct else self._run
+        self.flat_hit = hits.flat_hit(self.key, request.owner, self.guard, self.run)
 
     def _run(self, feeds: Sequence[Any]) -> Any:
         if self._lift:
@@ -93,7 +94,10 @@ class Capture:
         return leaves
 
 
-def _direct_run(run: Callable[[Sequence[Any]], list[Any]], unflatten: Callable[[list[Any]], Any]) -> Callable:
+def _direct_run(run: Callable[[Sequence[Any]], list[Any]], out_spec: optree.PyTreeSpec) -> Callable:
+    if out_spec.is_leaf():  # one tensor out, the most common case: no tree to rebuild
+        return lambda feeds: run(feeds)[0]
+    unflatten = out_spec.unflatten
     return lambda feeds: unflatten(run(feeds))
 
 

@@ -15,7 +15,7 @@ import torch
 
 import serving
 from clika_runtime import capture as capture_mod
-from clika_runtime import trees
+from clika_runtime import hits, trees
 from clika_runtime.calls import CallForms
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError, PlaceError, SignatureError, SignatureValueError, StateError
@@ -31,6 +31,7 @@ _flatten = trees.flatten
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _NO_LIFT: frozenset[int] = frozenset()
+_MISS = hits.MISS
 # Graphs kept per key for sizes on either side of a branch the trace took (`if seq == 1:`), so
 # calls alternating across it stop re-capturing once each side has its graph.
 _VARIANTS = 4
@@ -153,6 +154,11 @@ class CompiledFunction(Generic[P, R]):
     # ------------------------------------------------------------------------------------ hot path
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        flat = self._flat_hit  # set only while compiled, for the current capture of a flat call
+        if flat is not None and not kwargs:
+            out = flat(args)
+            if out is not _MISS:
+                return out
         if self._state is _COMPILED:
             if kwargs:
                 args, kwargs = self._forms(args, kwargs)
@@ -215,6 +221,7 @@ class CompiledFunction(Generic[P, R]):
             # key -> its captures: one, or a few variants when the trace branched on sizes
             self._captures: OrderedDict[tuple, list[capture_mod.Capture]] = OrderedDict()
             self._current: capture_mod.Capture | None = None
+            self._flat_hit: hits.FlatHit | None = None
             self._last_key: tuple | None = None
             self._lifted: dict[Any, frozenset[int]] = {}
             self._unliftable: dict[Any, frozenset[int]] = {}  # numbers the exporter could not lift
@@ -297,6 +304,7 @@ class CompiledFunction(Generic[P, R]):
     def _run_failed(self, capture: capture_mod.Capture, error: Exception, args: tuple, kwargs: dict) -> Any:
         """A graph failed on inputs its guard accepted: drop it and capture again from this call."""
         with self._lock:
+            self._flat_hit = None
             rest = [c for c in self._captures.get(capture.key, []) if c is not capture]
             if rest:
                 self._captures[capture.key] = rest
@@ -380,6 +388,7 @@ class CompiledFunction(Generic[P, R]):
 
     def _touch(self, capture: capture_mod.Capture) -> None:
         self._current = capture
+        self._flat_hit = capture.flat_hit
         try:
             self._captures.move_to_end(capture.key)
         except KeyError:  # evicted meanwhile by another thread's capture
@@ -404,6 +413,7 @@ class CompiledFunction(Generic[P, R]):
 
     def _fallback(self, why: str, warn: bool = True) -> None:
         self._state = State.Fallback
+        self._flat_hit = None
         self._fallback_why = why
         logger.log(logging.WARNING if warn else logging.INFO, "%s serves eagerly until reset(): %s", self.__name__, why)
         if warn:

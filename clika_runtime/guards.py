@@ -85,6 +85,13 @@ class ShapeGuard:
             self, "_bounds", tuple((positions[n][0], lo, hi) for n, (lo, hi) in bounds.items() if n in positions)
         )
 
+    @property
+    def exact_shapes(self) -> tuple[torch.Size, ...] | None:
+        """Every input's one accepted shape, when the guard is nothing more than that."""
+        if len(self._exact) != len(self.dims) or self.numbers or self.conditions:
+            return None
+        return tuple(shape for _, shape in self._exact)
+
     def matches(self, feeds: Sequence[Any], conditions: bool = True) -> bool:
         """True when the graph may serve these inputs (size conditions skipped if ``conditions`` is False)."""
         for i, shape in self._exact:

@@ -1,12 +1,14 @@
 """Run a session on tensors: numpy arrays, or torch tensors zero-copy in and out.
 
 torch is imported lazily, inside the torch runner only: numpy serving works where torch is absent.
-Fast paths use onnxruntime's private ``_sess`` / C-level OrtValue (DLPack); each has a public-API
-fallback used when a future onnxruntime drops the private attribute.
+Fast paths use onnxruntime's private ``_sess`` and C-level classes (IOBinding, OrtValue with
+DLPack); each has a public-API fallback used when a future onnxruntime drops them.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Any, Callable, Sequence
 
 import onnxruntime as ort
@@ -48,12 +50,18 @@ _NOT_NUMPY = ("bfloat16", "complex32")
 
 
 class TorchRunner:
-    """Runs a session on torch tensors and returns torch tensors, without copies where possible.
+    """Runs a session on torch tensors and returns fresh torch tensors, without copies where possible.
 
-    CPU place and numpy-representable dtypes: tensors are viewed as numpy arrays (no copy), fed
-    through the raw session run, and outputs wrapped with ``torch.from_numpy`` (no copy). Anything
-    else (bfloat16, CUDA): IOBinding with DLPack OrtValues in and out, outputs bound on the place's
-    device, onnxruntime working on torch's current CUDA stream.
+    One of three paths, chosen once per session (``path``), the fastest that fits (measured in
+    ``scripts/bench_paths.py``):
+
+    - ``"reused binding"`` (CPU, numpy-representable dtypes, outputs of fixed shape and at most
+      ``_COPY_LIMIT`` bytes): inputs bound by pointer to a per-thread IOBinding, small outputs
+      copied out of buffers onnxruntime keeps between runs.
+    - ``"numpy"`` (other CPU graphs): tensors viewed as numpy arrays (no copy) through the raw
+      session run, outputs wrapped with ``torch.from_numpy`` (no copy).
+    - ``"dlpack"`` (bfloat16, CUDA): IOBinding with DLPack OrtValues in and out, outputs bound on
+      the place's device, onnxruntime working on torch's current CUDA stream.
     """
 
     def __init__(
@@ -82,9 +90,45 @@ class TorchRunner:
         numpy_ok = all(str(d).replace("torch.", "") not in _NOT_NUMPY for d in dtypes)
         self._stream = _stream_of(place) if place.device == "cuda" else None
         # run(tensors in input order) -> output tensors in output order
-        self.run: Callable[[Sequence[Any]], list[Any]] = (
-            self._numpy_path() if place.device == "cpu" and numpy_ok and self._home is None else self._run_bound
-        )
+        self.run: Callable[[Sequence[Any]], list[Any]]
+        self.path: str  # which of the three ways run() takes: "dlpack", "reused binding" or "numpy"
+        if place.device != "cpu" or not numpy_ok or self._home is not None:
+            self.run, self.path = self._run_dlpack, "dlpack"
+        elif _small_static_outputs(session):
+            self.run, self.path = self._reused_binding_path(torch), "reused binding"
+        else:
+            self.run, self.path = self._numpy_path(), "numpy"
+
+    def _reused_binding_path(self, torch: Any) -> Callable[[Sequence[Any]], list[Any]]:
+        """Small graphs with small, fixed-shape outputs: the cheapest call onnxruntime offers.
+
+        Each thread keeps one IOBinding (they are not thread-safe) whose outputs stay allocated
+        between runs, so a run costs onnxruntime no allocation and us no dict of feeds; inputs are
+        bound by pointer, and outputs copied out (cheap below ``_COPY_LIMIT``) because the next
+        run writes into the same buffers.
+        """
+        inner, names, outputs, options = self._session._sess, self._in, self._out, self._options
+        cpu = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
+        onnx_type = {getattr(torch, name): code for name, code in _ONNX_TYPES.items()}
+        from_numpy, local = torch.from_numpy, threading.local()
+
+        def binding() -> Any:
+            made = local.binding = _C.SessionIOBinding(inner)
+            for name in outputs:
+                made.bind_output(name, cpu)
+            return made
+
+        def run(tensors: Sequence[Any]) -> list[Any]:
+            bound = getattr(local, "binding", None) or binding()
+            for name, t in zip(names, tensors):
+                if not t.is_contiguous() or t.is_neg():  # a pointer means dense, plainly stored values
+                    t = t.resolve_neg().contiguous()
+                # The tensor's own type: onnxruntime then rejects a mismatch instead of misreading memory.
+                bound.bind_input(name, cpu, onnx_type[t.dtype], t.shape, t.data_ptr())
+            inner.run_with_iobinding(bound, options)
+            return list(map(from_numpy, bound.copy_outputs_to_cpu()))
+
+        return run
 
     def _numpy_path(self) -> Callable[[Sequence[Any]], list[Any]]:
         # Everything the call needs is bound to closure locals: this is the per-call hot path.
@@ -99,7 +143,7 @@ class TorchRunner:
 
         return run
 
-    def _run_bound(self, tensors: Sequence[Any]) -> list[Any]:
+    def _run_dlpack(self, tensors: Sequence[Any]) -> list[Any]:
         import torch
 
         binding = self._session.io_binding()
@@ -121,6 +165,36 @@ class TorchRunner:
         if self._home is not None:
             outs = [o.to(self._home) for o in outs]
         return outs
+
+
+# onnxruntime type -> ONNX TensorProto code, for the types torch and numpy both hold.
+_ONNX_TYPES = {
+    "float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "int64": 7, "bool": 9,
+    "float16": 10, "float64": 11, "uint32": 12, "uint64": 13,
+}
+_TYPE_BYTES = {
+    "tensor(float)": 4, "tensor(uint8)": 1, "tensor(int8)": 1, "tensor(uint16)": 2, "tensor(int16)": 2,
+    "tensor(int32)": 4, "tensor(int64)": 8, "tensor(bool)": 1, "tensor(float16)": 2, "tensor(double)": 8,
+    "tensor(uint32)": 4, "tensor(uint64)": 8,
+}
+# Outputs copied out of a reused binding: above this many bytes the copy costs more than the
+# allocation onnxruntime saves (docs/BENCHMARKS.md).
+_COPY_LIMIT = 64 * 1024
+
+
+def _small_static_outputs(session: ort.InferenceSession) -> bool:
+    """Whether the reused-binding path fits: the C-level classes exist, every input and output
+    type is one it binds, and the outputs have fixed shapes of at most ``_COPY_LIMIT`` bytes."""
+    if _C is None or not hasattr(_C, "SessionIOBinding") or not hasattr(session, "_sess"):
+        return False
+    if any(i.type not in _TYPE_BYTES for i in session.get_inputs()):
+        return False
+    total = 0
+    for o in session.get_outputs():
+        if o.type not in _TYPE_BYTES or not all(isinstance(d, int) for d in o.shape):
+            return False
+        total += _TYPE_BYTES[o.type] * math.prod(o.shape)
+    return total <= _COPY_LIMIT
 
 
 def _ortvalue_from_torch(t: Any) -> Any:

@@ -1,0 +1,156 @@
+"""The fast hit paths: the flat-call check and the reused per-thread IOBinding.
+
+Both exist for speed only, so every test here checks that they decide and compute exactly what
+the general path and eager do: fresh outputs on every call, inputs read as torch holds them
+(strided, negated views, empty), and every key change still caught.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import clika_runtime as cr
+
+State = cr.CompiledFunction.State
+
+
+class Counted:
+    """A target that counts its eager calls: served calls never reach it."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def _affine(x):
+    return x * 2 + 1
+
+
+@pytest.fixture(scope="module")
+def affine():
+    target = Counted(_affine)
+    f = cr.compile(target)
+    f(torch.randn(4, 3))
+    return f, target
+
+
+def test_small_static_graphs_take_the_reused_binding_and_the_flat_hit(affine):
+    f, _ = affine
+    assert f._current._runner.path == "reused binding"
+    assert f._flat_hit is not None
+
+
+def test_every_call_returns_fresh_outputs(affine):
+    # The binding keeps its output buffers between runs: what a call returned must not change.
+    f, target = affine
+    calls = target.calls
+    x1, x2 = torch.randn(4, 3), torch.randn(4, 3)
+    y1 = f(x1)
+    y2 = f(x2)
+    torch.testing.assert_close(y1, _affine(x1))
+    torch.testing.assert_close(y2, _affine(x2))
+    assert y1.data_ptr() != y2.data_ptr()
+    assert target.calls == calls
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(3, 4).t(),  # strided
+        lambda: torch.randn(6, 3)[2:],  # storage offset
+        lambda: torch.randn(1, 3).expand(4, 3),  # stride 0
+        lambda: torch.randn(4, 3, dtype=torch.complex64).conj().imag,  # negative bit set
+    ],
+    ids=["transposed", "offset", "expanded", "negated-view"],
+)
+def test_inputs_are_read_as_torch_holds_them(affine, make):
+    f, target = affine
+    calls = target.calls
+    x = make()
+    torch.testing.assert_close(f(x), _affine(x.clone()))
+    assert target.calls == calls, "the call should have been served"
+
+
+def test_empty_inputs_are_served():
+    f = cr.compile(_affine)
+    f(torch.zeros(0, 3))
+    assert f._current._runner.path == "reused binding"
+    assert f(torch.zeros(0, 3)).shape == (0, 3)
+    assert f.state is State.Compiled and f.recapture_count == 0
+
+
+def test_what_the_flat_hit_refuses_the_general_path_decides(affine):
+    f, target = affine
+    before = f.recapture_count
+    x = torch.randn(4, 3)
+    # A Parameter (a tensor subclass) and a tensor needing grad under no_grad are served.
+    with torch.no_grad():
+        torch.testing.assert_close(f(torch.nn.Parameter(x)), _affine(x))
+        torch.testing.assert_close(f(x.clone().requires_grad_()), _affine(x))
+    calls = target.calls
+    # Under grad mode, an input requiring grad stays eager (differentiable).
+    out = f(x.clone().requires_grad_())
+    assert out.requires_grad and target.calls == calls + 1
+    # A new dtype is a new key: a re-capture, with the reason.
+    f(x.double())
+    assert f.recapture_count == before + 1 and "float64" in f.recapture_reasons[-1]
+
+
+class ByMode(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if self.training else x + 1
+
+
+def test_training_flag_flips_are_seen_by_the_flat_hit():
+    model = ByMode().eval()
+    f = cr.compile(model)
+    x = torch.randn(4, 3)
+    f(x)
+    model.train()
+    torch.testing.assert_close(f(x), x * 2)
+    assert f.recapture_count == 1 and "training" in f.recapture_reasons[0]
+    model.eval()
+    torch.testing.assert_close(f(x), x + 1)
+    model.train()
+    torch.testing.assert_close(f(x), x * 2)
+    assert f.recapture_count == 1 and f.state is State.Compiled
+
+
+def test_large_or_dynamic_outputs_take_the_numpy_path():
+    large = cr.compile(lambda x: x.repeat(64, 1))  # 64 KiB and more out: copying out would cost
+    large(torch.randn(300, 4))
+    assert large._current._runner.path == "numpy"
+    dynamic = cr.compile(_affine, dynamic=True)
+    dynamic(torch.randn(4, 3))
+    assert dynamic._current._runner.path == "numpy"
+    torch.testing.assert_close(dynamic(torch.randn(7, 3)).shape, torch.Size([7, 3]))
+
+
+def test_threads_each_bind_their_own_inputs(affine):
+    f, _ = affine
+    inputs = [torch.full((4, 3), float(i)) for i in range(200)]
+
+    def call(x):
+        with torch.no_grad():
+            return f(x)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(call, inputs, timeout=300))
+    for x, y in zip(inputs, results):
+        torch.testing.assert_close(y, _affine(x))
+
+
+def test_a_loaded_graph_returns_fresh_outputs_too(affine, tmp_path):
+    f = cr.compile(_affine)
+    f(torch.randn(4, 3))
+    served = cr.load(f.take_graph().save(tmp_path / "affine.onnx"))
+    x1, x2 = torch.randn(4, 3), torch.randn(4, 3)
+    y1, y2 = served(x1), served(x2)
+    torch.testing.assert_close(y1, _affine(x1))
+    torch.testing.assert_close(y2, _affine(x2))
