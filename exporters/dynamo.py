@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import io
 import logging
 import math
@@ -95,6 +97,43 @@ def _dynamic_shapes(examples: Sequence[Any], dynamic: Sequence[Mapping[int, Any]
     return (tuple(specs),)
 
 
+def _onnx_program(
+    flat: torch.nn.Module, examples: tuple, input_names: list[str], dynamic_shapes: Any, optimize: bool
+) -> Any:
+    """``torch.onnx.export(flat, examples, dynamo=True, ...)``, with its operator registry built once.
+
+    torch.onnx.export rebuilds the registry of ONNX functions on every call: half a second, about
+    half of a small model's capture. The registry is only read during an export, so the call
+    below is the one ``torch.onnx.export`` makes, with one registry kept for the process; where
+    that private entry point is not there (another torch), the public call is made instead.
+    """
+    cached = _exporter_with_registry()
+    if cached is None:
+        return torch.onnx.export(
+            flat, examples, dynamo=True, input_names=input_names, dynamic_shapes=dynamic_shapes,
+            optimize=optimize, verbose=False,
+        )
+    export, registry, opset = cached
+    return export(
+        flat, examples, None, registry=registry, dynamic_shapes=dynamic_shapes, input_names=input_names,
+        verbose=False, optimize=optimize, opset_version=opset,
+    )
+
+
+@functools.cache
+def _exporter_with_registry() -> tuple[Callable[..., Any], Any, int] | None:
+    try:
+        from torch.onnx import _constants as onnx_constants
+        from torch.onnx._internal.exporter import _constants, _core, _registration
+    except ImportError:
+        return None
+    if "registry" not in inspect.signature(_core.export).parameters:
+        return None
+    opset = onnx_constants.ONNX_DEFAULT_OPSET  # torch.onnx.export's default, as in its own body
+    registry = _registration.ONNXRegistry().from_torchlib(opset_version=max(opset, _constants.TORCHLIB_OPSET))
+    return _core.export, registry, opset
+
+
 def root_cause(error: BaseException) -> str:
     """The innermost cause of an exporter failure, first lines only: what a user can act on."""
     while error.__cause__ is not None:
@@ -140,14 +179,8 @@ def export_graph(
     flat = _Flat(fn, owner)
     try:
         with _quiet():
-            program = torch.onnx.export(
-                flat,
-                tuple(examples),
-                dynamo=True,
-                input_names=list(input_names),
-                dynamic_shapes=_dynamic_shapes(examples, dynamic) if examples else None,
-                optimize=optimize,
-                verbose=False,
+            program = _onnx_program(
+                flat, tuple(examples), list(input_names), _dynamic_shapes(examples, dynamic) if examples else None, optimize
             )
     except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
         raise RuntimeError(root_cause(e)) from e
