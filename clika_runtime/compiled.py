@@ -154,8 +154,9 @@ class CompiledFunction(Generic[P, R]):
     # ------------------------------------------------------------------------------------ hot path
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        flat = self._flat_hit  # set only while compiled, for the current capture of a flat call
-        if flat is not None and not kwargs:
+        flat = self._flat_hit  # the current capture's check and run for calls of plain tensors
+        # The state check also covers a lock-free _touch racing take_graph() or reset().
+        if flat is not None and not kwargs and self._state is _COMPILED:
             out = flat(args)
             if out is not _MISS:
                 return out
