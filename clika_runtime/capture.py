@@ -78,7 +78,7 @@ class Capture:
         # run(feeds) -> the output tree; the common case (every output leaf a tensor the graph
         # computes, no lifted numbers) is one closure over the runner, for the hot path.
         self.run: Callable[[Sequence[Any]], Any] = _direct_run(runner.run, out_spec) if direct else self._run
-        self.flat_hit = hits.flat_hit(self.key, request.owner, self.guard, self.run)
+        self.flat_hit = hits.flat_hit(self.key, request.feed_positions, request.owner, self.guard, self.run)
 
     def _run(self, feeds: Sequence[Any]) -> Any:
         if self._lift:

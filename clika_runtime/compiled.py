@@ -154,15 +154,14 @@ class CompiledFunction(Generic[P, R]):
     # ------------------------------------------------------------------------------------ hot path
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        flat = self._flat_hit  # the current capture's check and run for calls of plain tensors
-        # The state check also covers a lock-free _touch racing take_graph() or reset().
-        if flat is not None and not kwargs and self._state is _COMPILED:
-            out = flat(args)
-            if out is not _MISS:
-                return out
         if self._state is _COMPILED:
             if kwargs:
                 args, kwargs = self._forms(args, kwargs)
+            flat = self._flat_hit  # the current capture's check and run for calls of plain tensors
+            if flat is not None and not kwargs:
+                out = flat(args)
+                if out is not _MISS:
+                    return out
             leaves, spec = _flatten((args, kwargs)) if kwargs else _flatten(args)
             lifted = self._lifted.get(spec, _NO_LIFT) if self._lifted else _NO_LIFT
             feeds, statics, metas, grad = key_parts(leaves, lifted, self._shapes_in_key)

@@ -13,19 +13,9 @@ import pytest
 import torch
 
 import clika_runtime as cr
+from conftest import Counted
 
 State = cr.CompiledFunction.State
-
-
-class Counted:
-    """A target that counts its eager calls: served calls never reach it."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.fn(*args, **kwargs)
 
 
 def _affine(x):
@@ -105,6 +95,46 @@ def test_what_the_flat_hit_refuses_the_general_path_decides(affine):
 class ByMode(torch.nn.Module):
     def forward(self, x):
         return x * 2 if self.training else x + 1
+
+
+def _scaled(x, mask=None, mode="double", scale=2):
+    y = x * scale if mode == "double" else x + scale
+    return y if mask is None else y * mask
+
+
+def test_keyword_calls_and_simple_constants_take_the_flat_hit():
+    # (Counted also counts the exporter's trace: served calls are checked as "no new calls".)
+    target = Counted(_scaled)
+    f = cr.compile(target)
+    x, m = torch.randn(4, 3), torch.rand(4, 3)
+    f(x, mask=m, mode="inc")  # canonical form (x, m, "inc"): a tensor, a tensor, a constant
+    assert f._flat_hit is not None
+    calls = target.calls
+    torch.testing.assert_close(f(x, mask=m, mode="inc"), _scaled(x, m, "inc"))
+    torch.testing.assert_close(f(x, m, "inc"), _scaled(x, m, "inc"))
+    assert target.calls == calls
+    # Each constant is compared by type and value: a new one is a new key, never a wrong hit.
+    torch.testing.assert_close(f(x, m, "double"), _scaled(x, m, "double"))
+    torch.testing.assert_close(f(x, m, "inc", 3), _scaled(x, m, "inc", 3))
+    torch.testing.assert_close(f(x, m, "inc", True), _scaled(x, m, "inc", True))
+    torch.testing.assert_close(f(x, None, "inc"), _scaled(x, None, "inc"))
+    assert f.recapture_count == 4
+    calls = target.calls
+    torch.testing.assert_close(f(x, mask=m, mode="inc"), _scaled(x, m, "inc"))
+    assert target.calls == calls
+
+
+def test_float_constants_are_left_to_the_general_path():
+    target = Counted(_scaled)
+    f = cr.compile(target, specialize=True)
+    x = torch.randn(4, 3)
+    f(x, None, "double", 0.5)
+    assert f._flat_hit is None
+    calls = target.calls
+    torch.testing.assert_close(f(x, None, "double", 0.5), x * 0.5)
+    assert target.calls == calls
+    torch.testing.assert_close(f(x, None, "double", -0.0), x * -0.0)
+    assert f.recapture_count == 1
 
 
 def test_training_flag_flips_are_seen_by_the_flat_hit():
