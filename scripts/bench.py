@@ -1,6 +1,6 @@
 """Benchmarks: torch eager, torch.compile (inductor), raw onnxruntime and clika_runtime, one process.
 
-    python scripts/bench.py [--workloads mlp_b1 cnn_b1 ...] [--no-inductor] [--rounds 15]
+    python scripts/bench.py [--workloads mlp_b1 cnn_b1 ...] [--no-inductor] [--rounds 21] [--block 0.02]
 
 Every variant runs on 1 thread (torch and onnxruntime). Timings are interleaved in rounds (each
 round times every variant once, in shuffled order) and the median per call is reported, so the
@@ -209,8 +209,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="*", default=None)
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--block", type=float, default=0.05, help="seconds per timed block")
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--block", type=float, default=0.02, help="seconds per timed block")
     parser.add_argument("--memory-calls", type=int, default=10_000)
     parser.add_argument("--first-call", default="mlp_b1", help="workload for the first-call comparison ('' to skip)")
     args = parser.parse_args()
