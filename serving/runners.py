@@ -94,7 +94,7 @@ class TorchRunner:
         self.path: str  # which of the three ways run() takes: "dlpack", "reused binding" or "numpy"
         if place.device != "cpu" or not numpy_ok or self._home is not None:
             self.run, self.path = self._run_dlpack, "dlpack"
-        elif _small_static_outputs(session):
+        elif _reused_binding_fits(session):
             self.run, self.path = self._reused_binding_path(torch), "reused binding"
         else:
             self.run, self.path = self._numpy_path(), "numpy"
@@ -182,11 +182,11 @@ _TYPE_BYTES = {
 _COPY_LIMIT = 64 * 1024
 
 
-def _small_static_outputs(session: ort.InferenceSession) -> bool:
-    """Whether the reused-binding path fits: the C-level classes exist, every input and output
-    type is one it binds, and the outputs have fixed shapes of at most ``_COPY_LIMIT`` bytes."""
-    if _C is None or not hasattr(_C, "SessionIOBinding") or not hasattr(session, "_sess"):
-        return False
+def _reused_binding_fits(session: ort.InferenceSession) -> bool:
+    """Whether the reused-binding path fits: every input and output type is one it binds, the
+    outputs have fixed shapes of at most ``_COPY_LIMIT`` bytes, and this onnxruntime's C-level
+    IOBinding takes the calls the path makes (probed, so a changed private API means the numpy
+    path, never a failing capture)."""
     if any(i.type not in _TYPE_BYTES for i in session.get_inputs()):
         return False
     total = 0
@@ -194,7 +194,18 @@ def _small_static_outputs(session: ort.InferenceSession) -> bool:
         if o.type not in _TYPE_BYTES or not all(isinstance(d, int) for d in o.shape):
             return False
         total += _TYPE_BYTES[o.type] * math.prod(o.shape)
-    return total <= _COPY_LIMIT
+    if total > _COPY_LIMIT:
+        return False
+    try:
+        probe = _C.SessionIOBinding(session._sess)
+        cpu = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
+        for i in session.get_inputs():  # an empty tensor: nothing is read before a run
+            probe.bind_input(i.name, cpu, _ONNX_TYPES["float32"], [0], 0)
+        for o in session.get_outputs():
+            probe.bind_output(o.name, cpu)
+        return callable(probe.copy_outputs_to_cpu) and callable(session._sess.run_with_iobinding)
+    except (AttributeError, TypeError):
+        return False
 
 
 def _ortvalue_from_torch(t: Any) -> Any:

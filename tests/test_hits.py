@@ -184,3 +184,15 @@ def test_a_loaded_graph_returns_fresh_outputs_too(affine, tmp_path):
     y1, y2 = served(x1), served(x2)
     torch.testing.assert_close(y1, _affine(x1))
     torch.testing.assert_close(y2, _affine(x2))
+
+
+def test_without_the_private_iobinding_the_public_paths_serve(monkeypatch):
+    # An onnxruntime whose C-level module moved: the reused binding must not be chosen.
+    from serving import runners
+
+    monkeypatch.setattr(runners, "_C", None)
+    f = cr.compile(_affine)
+    f(torch.randn(4, 3))
+    assert f._current._runner.path == "numpy"
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(f(x), _affine(x))
