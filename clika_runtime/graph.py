@@ -32,20 +32,7 @@ META_PARAMETERS = "clika_runtime.parameters"
 # for the rest of the model) they go to an external file, for saving and for opening sessions.
 _PROTOBUF_LIMIT = 2**31 - 2**26
 
-ONNX_TYPE_NAMES = {  # onnxruntime's type strings -> dtype names (numpy's, and bfloat16)
-    "tensor(float)": "float32",
-    "tensor(double)": "float64",
-    "tensor(float16)": "float16",
-    "tensor(bfloat16)": "bfloat16",
-    "tensor(int8)": "int8",
-    "tensor(int16)": "int16",
-    "tensor(int32)": "int32",
-    "tensor(int64)": "int64",
-    "tensor(uint8)": "uint8",
-    "tensor(bool)": "bool",
-    "tensor(complex64)": "complex64",
-    "tensor(complex128)": "complex128",
-}
+ONNX_TYPE_NAMES = serving.DTYPE_NAMES  # onnxruntime's type strings -> dtype names (numpy's, and bfloat16)
 
 
 class ModelGraph:

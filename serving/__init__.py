@@ -3,11 +3,13 @@
 Imports nothing of torch at import time: a deployment box may have only onnxruntime and numpy.
 """
 
+from serving.ort_types import DTYPE_NAMES
 from serving.providers import Place, available, cuda_available, resolve
 from serving.runners import NumpyRunner, TorchRunner, with_torch_stream
 from serving.session import metadata, open_session
 
 __all__ = [
+    "DTYPE_NAMES",
     "NumpyRunner",
     "Place",
     "TorchRunner",

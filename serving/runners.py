@@ -11,8 +11,10 @@ import math
 import threading
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import onnxruntime as ort
 
+from serving.ort_types import ORT_TYPES
 from serving.providers import CUDA, Place
 
 try:  # the C-level classes carry DLPack both ways; the public wrappers only one way
@@ -109,7 +111,7 @@ class TorchRunner:
         """
         inner, names, outputs, options = self._session._sess, self._in, self._out, self._options
         cpu = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
-        onnx_type = {getattr(torch, name): code for name, code in _ONNX_TYPES.items()}
+        onnx_type = {getattr(torch, name): code for name, code in _BINDABLE.values()}
         from_numpy, local = torch.from_numpy, threading.local()
 
         def binding() -> Any:
@@ -167,15 +169,10 @@ class TorchRunner:
         return outs
 
 
-# onnxruntime type -> ONNX TensorProto code, for the types torch and numpy both hold.
-_ONNX_TYPES = {
-    "float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "int64": 7, "bool": 9,
-    "float16": 10, "float64": 11, "uint32": 12, "uint64": 13,
-}
-_TYPE_BYTES = {
-    "tensor(float)": 4, "tensor(uint8)": 1, "tensor(int8)": 1, "tensor(uint16)": 2, "tensor(int16)": 2,
-    "tensor(int32)": 4, "tensor(int64)": 8, "tensor(bool)": 1, "tensor(float16)": 2, "tensor(double)": 8,
-    "tensor(uint32)": 4, "tensor(uint64)": 8,
+# Types the reused binding binds by pointer: those numpy and torch both hold, bar complex (whose
+# conjugate views a pointer cannot carry).
+_BINDABLE = {
+    ort: (name, code) for ort, (name, code) in ORT_TYPES.items() if name not in ("bfloat16", "complex64", "complex128")
 }
 # Outputs copied out of a reused binding: above this many bytes the copy costs more than the
 # allocation onnxruntime saves (docs/BENCHMARKS.md).
@@ -187,20 +184,20 @@ def _reused_binding_fits(session: ort.InferenceSession) -> bool:
     outputs have fixed shapes of at most ``_COPY_LIMIT`` bytes, and this onnxruntime's C-level
     IOBinding takes the calls the path makes (probed, so a changed private API means the numpy
     path, never a failing capture)."""
-    if any(i.type not in _TYPE_BYTES for i in session.get_inputs()):
+    if any(i.type not in _BINDABLE for i in session.get_inputs()):
         return False
     total = 0
     for o in session.get_outputs():
-        if o.type not in _TYPE_BYTES or not all(isinstance(d, int) for d in o.shape):
+        if o.type not in _BINDABLE or not all(isinstance(d, int) for d in o.shape):
             return False
-        total += _TYPE_BYTES[o.type] * math.prod(o.shape)
+        total += np.dtype(_BINDABLE[o.type][0]).itemsize * math.prod(o.shape)
     if total > _COPY_LIMIT:
         return False
     try:
         probe = _C.SessionIOBinding(session._sess)
         cpu = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
         for i in session.get_inputs():  # an empty tensor: nothing is read before a run
-            probe.bind_input(i.name, cpu, _ONNX_TYPES["float32"], [0], 0)
+            probe.bind_input(i.name, cpu, _BINDABLE[i.type][1], [0], 0)
         for o in session.get_outputs():
             probe.bind_output(o.name, cpu)
         return callable(probe.copy_outputs_to_cpu) and callable(session._sess.run_with_iobinding)
