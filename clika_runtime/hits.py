@@ -75,7 +75,10 @@ def flat_hit(
             # Exact type: subclasses (Parameter, wrappers) and tensors needing grad go the general way.
             if type(a) is not tensor or a.dtype is not dtype or a.device != device or a.requires_grad:
                 return MISS
-            if a.shape != shape if shape is not None else a.ndim != ndim:
+            if shape is not None:
+                if a.shape != shape:
+                    return MISS
+            elif a.ndim != ndim:
                 return MISS
         if owner is not None and owner.training is not training:
             return MISS
