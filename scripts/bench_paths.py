@@ -4,8 +4,10 @@
 
 Each variant takes torch tensors and returns fresh torch tensors (except `floor`, which binds
 inputs and outputs once: onnxruntime alone). Interleaved rounds, medians in us per call, 1 thread.
-"outputs kept" is the runner's "reused binding" path (outputs stay allocated in the binding and are
-copied out); "_sess.run (numpy)" its "numpy" path, for outputs too large or not of fixed shape.
+"outputs kept" is the runner's "reused binding" path (outputs stay allocated in the binding and
+are copied out); "_sess.run (numpy)" its "numpy" path, for outputs too large or not of fixed
+shape. The last two rows time whole compiled calls: the flat hit against the general hit path
+(flatten, key, lookup, guard) on the same runner.
 """
 
 from __future__ import annotations
@@ -115,6 +117,15 @@ def main() -> int:
         session = f._current._runner._session
         out_shapes = [tuple(expected.shape)]
         variants = variants_for(session, inputs, out_shapes)
+        general = cr.compile(w.model)
+        general(*inputs)
+
+        def general_path() -> Any:
+            general._flat_hit = None  # the hit path as it is without the flat hit
+            return general(*inputs)
+
+        variants["clika (flat hit)"] = lambda: f(*inputs)
+        variants["clika (general path)"] = general_path
         samples: dict[str, list[float]] = {k: [] for k in variants}
         once = time.perf_counter()
         variants["floor (bound once)"]()
