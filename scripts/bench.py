@@ -124,6 +124,8 @@ def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
         variants["inductor"] = inductor
     variants["ort_run"] = lambda: session.run(None, feeds)
     variants["floor"] = lambda: session.run_with_iobinding(binding)
+    runner, feeds_in_order = f._current._runner, list(inputs)
+    variants["runner"] = lambda: runner.run(feeds_in_order)  # the graph's run alone: no checks, no output tree
     variants["clika"] = lambda: f(*inputs)
     with torch.no_grad():
         result = measure(variants, args.rounds, args.block)
@@ -218,16 +220,18 @@ def main() -> int:
     print(f"machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores; python {platform.python_version()}, "
           f"torch {torch.__version__}, onnxruntime {ort.__version__}, clika_runtime {cr.__version__}; 1 thread")
     workloads = build(tuple(args.workloads) if args.workloads else None)
-    header = f"{'workload':<24}" + "".join(f"{c:>10}" for c in ("eager", "inductor", "ort_run", "floor", "clika")) + \
-        "   clika/eager  clika/ort_run  clika/floor"
+    columns = ("eager", "inductor", "ort_run", "floor", "runner", "clika")
+    header = f"{'workload':<24}" + "".join(f"{c:>10}" for c in columns) + \
+        "   clika/eager  clika/ort_run  clika/floor  runner/floor"
     print("\nmedian us per call\n" + header)
     verdicts = []
     for w in workloads:
         r = bench_workload(w, args)
         ratios = {"clika/eager": r["clika"] / r["eager"], "clika/ort_run": r["clika"] / r["ort_run"],
                   "clika/floor": r["clika"] / r["floor"]}
-        cells = "".join(f"{r[c]:>10.1f}" if c in r else f"{'-':>10}" for c in ("eager", "inductor", "ort_run", "floor", "clika"))
-        print(f"{w.name:<24}{cells}   {ratios['clika/eager']:>11.2f}  {ratios['clika/ort_run']:>13.2f}  {ratios['clika/floor']:>11.2f}")
+        cells = "".join(f"{r[c]:>10.1f}" if c in r else f"{'-':>10}" for c in columns)
+        print(f"{w.name:<24}{cells}   {ratios['clika/eager']:>11.2f}  {ratios['clika/ort_run']:>13.2f}  "
+              f"{ratios['clika/floor']:>11.2f}  {r['runner'] / r['floor']:>12.2f}")
         rss, growth = r["_memory"]
         verdicts.append(f"{w.name}: RSS {rss:.0f} MiB, growth over {args.memory_calls} served calls {growth:+.1f} MiB")
         for ratio, limit in TARGETS.get(w.name, []):
