@@ -78,7 +78,12 @@ class Capture:
         # run(feeds) -> the output tree; the common case (every output leaf a tensor the graph
         # computes, no lifted numbers) is one closure over the runner, for the hot path.
         self.run: Callable[[Sequence[Any]], Any] = _direct_run(runner.run, out_spec) if direct else self._run
-        self.flat_hit = hits.flat_hit(self.key, request.feed_positions, request.owner, self.guard, self.run)
+        self.flat_hit = None
+        if direct:  # the flat hit serves only what the graph computes alone
+            leaf = out_spec.is_leaf()
+            serve = runner.server(hits.shapes_for(self.guard), first=leaf)
+            finish = None if leaf else out_spec.unflatten
+            self.flat_hit = hits.flat_hit(self.key, request.feed_positions, request.owner, self.guard, serve, finish)
 
     def _run(self, feeds: Sequence[Any]) -> Any:
         if self._lift:

@@ -3,10 +3,12 @@
 Most served calls pass a few tensors, positionally or by keyword (``CallForms`` moves keywords to
 their positions first). For those, the general hit path's work (optree flatten, the key tuple,
 its hash, the dict lookup, the guard) reduces to comparing each argument with what the current
-capture's key and guard recorded: a tensor's exact type, dtype, device and shape (or rank and the
-guard, when some axes are dynamic); a constant's type and value. This module builds that check
-once per capture, as a closure over plain data; a call it does not accept takes the general path,
-which decides exactly as before, so the flat hit changes speed, never behaviour.
+capture recorded: a constant's type and value, a tensor's exact type and autograd flag, the
+training flag, and the guard when some axes are dynamic. The tensors' dtype, device and shape are
+checked by the runner's checked run (``serving.TorchRunner.server``) as it binds them, so no
+tensor attribute is read twice. This module builds the check once per capture, as a closure over
+plain data; a call it does not accept takes the general path, which decides exactly as before, so
+the flat hit changes speed, never behaviour.
 """
 
 from __future__ import annotations
@@ -33,61 +35,85 @@ def flat_hit(
     positions: Sequence[int],
     owner: torch.nn.Module | None,
     guard: ShapeGuard,
-    run: Callable[[Sequence[Any]], Any],
+    serve: Callable[..., Any],
+    finish: Callable[[Any], Any] | None,
 ) -> FlatHit | None:
     """The flat-call check and run for a capture, or ``None`` when its key is not a flat call.
 
     ``key`` is the capture's cache key ``(spec, statics, metas, training)`` (``guards.key_parts``),
-    ``positions`` the argument positions of its fed tensors, ``guard`` its shape guard and ``run``
-    its graph run on the list of fed tensors.
+    ``positions`` the argument positions of its fed tensors and ``guard`` its shape guard.
+    ``serve`` is the runner's checked run (``serving.TorchRunner.server``) made for the shapes
+    this returns in ``shapes_for(guard)``: it checks dtype, device and shape and returns ``None``
+    for tensors that do not fit. ``finish`` turns its result into the output tree (``None``: as is).
     """
     spec, statics, metas, training = key
     count = len(positions) + len(statics)
     if spec != _flat_spec(count):
         return None  # containers, or keywords that name no positional parameter
-    fed = set(positions)
-    constants = [i for i in range(count) if i not in fed]
     if not all(isinstance(s, tuple) and s[0] in _CONSTANTS for s in statics):
         return None
+    fed = set(positions)
+    constants = [i for i in range(count) if i not in fed]
     fixed = tuple((i, kind, value) for i, (kind, value) in zip(constants, statics))
-    exact = guard.exact_shapes
-    # Per fed tensor: (dtype, device, shape to equal or None, rank); the guard runs when shapes
-    # alone do not say it all (dynamic axes, ranges, size conditions).
-    expected = tuple(
-        (m[0], m[2], exact[j] if exact is not None else (m[3] if len(m) > 3 else None), m[1])
-        for j, m in enumerate(metas)
-    )
-    matches = None if exact is not None else guard.matches
+    # The guard runs only when shapes alone do not say it all (dynamic axes, ranges, conditions).
+    matches = None if guard.exact_shapes is not None else guard.matches
     tensor, picks = torch.Tensor, tuple(positions)
+    if not fixed and count == 1 and finish is None:
+        return _one_tensor_hit(owner, training, matches, serve)
 
     def hit(args: tuple) -> Any:
         if len(args) != count:
             return MISS
-        if fixed:
-            for i, kind, value in fixed:
-                a = args[i]
-                if type(a) is not kind or a != value:
-                    return MISS
-            feeds: Sequence[Any] = [args[i] for i in picks]
-        else:
-            feeds = args
-        for a, (dtype, device, shape, ndim) in zip(feeds, expected):
-            # Exact type: subclasses (Parameter, wrappers) and tensors needing grad go the general way.
-            if type(a) is not tensor or a.dtype is not dtype or a.device != device or a.requires_grad:
+        for i, kind, value in fixed:
+            a = args[i]
+            if type(a) is not kind or a != value:
                 return MISS
-            if shape is not None:
-                if a.shape != shape:
-                    return MISS
-            elif a.ndim != ndim:
+        feeds = [args[i] for i in picks] if fixed else args
+        for a in feeds:
+            # Exact type: subclasses (Parameter, wrappers) and tensors needing grad go the general way.
+            if type(a) is not tensor or a.requires_grad:
                 return MISS
         if owner is not None and owner.training is not training:
             return MISS
         if matches is not None and not matches(feeds):
             return MISS
         try:
-            return run(feeds)
+            out = serve(*feeds)
         except Exception:  # the general path runs it again and handles the failure (re-capture)
             return MISS
+        if out is None:  # a dtype, device or shape the graph was not made for
+            return MISS
+        return out if finish is None else finish(out)
+
+    return hit
+
+
+def shapes_for(guard: ShapeGuard) -> tuple[tuple[int, ...] | None, ...]:
+    """The shapes a flat hit's ``serve`` checks: the guard's exact shapes, or ``None`` (rank only:
+    the guard then checks the sizes) for every input when any axis is dynamic."""
+    exact = guard.exact_shapes
+    return tuple(exact) if exact is not None else (None,) * len(guard.dims)
+
+
+def _one_tensor_hit(
+    owner: torch.nn.Module | None, training: bool | None, matches: Callable | None, serve: Callable[..., Any]
+) -> FlatHit:
+    """``f(x)`` returning one tensor, the most common call, without the general hit's loops."""
+    tensor = torch.Tensor
+
+    def hit(args: tuple) -> Any:
+        if len(args) != 1:
+            return MISS
+        (a,) = args
+        if type(a) is not tensor or a.requires_grad or (owner is not None and owner.training is not training):
+            return MISS
+        if matches is not None and not matches(args):
+            return MISS
+        try:
+            out = serve(a)
+        except Exception:  # the general path runs it again and handles the failure (re-capture)
+            return MISS
+        return MISS if out is None else out
 
     return hit
 

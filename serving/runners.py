@@ -91,6 +91,10 @@ class TorchRunner:
         self._home = input_device if input_device is not None and input_device != self._device else None
         numpy_ok = all(str(d).replace("torch.", "") not in _NOT_NUMPY for d in dtypes)
         self._stream = _stream_of(place) if place.device == "cuda" else None
+        # What each input must be for the graph to read it: (dtype, rank), from the session itself.
+        declared = {i.name: i for i in session.get_inputs()}
+        self._inputs = tuple(_declared_input(declared.get(name), torch) for name in self._in)
+        self._input_device = input_device if input_device is not None else self._device
         # run(tensors in input order) -> output tensors in output order
         self.run: Callable[[Sequence[Any]], list[Any]]
         self.path: str  # which of the three ways run() takes: "dlpack", "reused binding" or "numpy"
@@ -100,6 +104,32 @@ class TorchRunner:
             self.run, self.path = self._reused_binding_path(torch), "reused binding"
         else:
             self.run, self.path = self._numpy_path(), "numpy"
+
+    def server(self, shapes: Sequence[tuple[int, ...] | None], first: bool = False) -> Callable[..., Any]:
+        """A checked run for the hot path: ``serve(*tensors)`` with the inputs as positional arguments.
+
+        It runs the graph when every tensor has the dtype the graph declares, sits on the device
+        the runner was made for, and has ``shapes[i]`` (``None``: any shape of the declared rank),
+        and returns ``None`` otherwise, without running. Those are the facts that decide what
+        memory onnxruntime reads, so they are checked here, once, where the tensors are bound.
+        The caller checks what is its own business (exact tensor type, autograd, other guards).
+        ``first``: return the first output alone instead of the list.
+        """
+        expect = tuple(
+            (dtype, tuple(shape) if shape is not None else None, rank)
+            for (dtype, rank), shape in zip(self._inputs, shapes, strict=True)
+        )
+        if self.path == "reused binding":
+            return self._reused_binding_server(expect, first)
+        run, device = self.run, self._input_device
+
+        def serve(*tensors: Any) -> Any:
+            if not _fits(tensors, expect, device):
+                return None
+            outs = run(tensors)
+            return outs[0] if first else outs
+
+        return serve
 
     def _reused_binding_path(self, torch: Any) -> Callable[[Sequence[Any]], list[Any]]:
         """Small graphs with small, fixed-shape outputs: the cheapest call onnxruntime offers.
@@ -111,7 +141,7 @@ class TorchRunner:
         """
         inner, names, outputs, options = self._session._sess, self._in, self._out, self._options
         cpu = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
-        onnx_type = {getattr(torch, name): code for name, code in _BINDABLE.values()}
+        self._onnx_type = onnx_type = {getattr(torch, name): code for name, code in _BINDABLE.values()}
         from_numpy, local = torch.from_numpy, threading.local()
 
         def binding() -> Any:
@@ -119,6 +149,9 @@ class TorchRunner:
             for name in outputs:
                 made.bind_output(name, cpu)
             return made
+
+        # The pieces the checked variant (_reused_binding_server) shares.
+        self._binding_parts = (inner.run_with_iobinding, cpu, local, binding, from_numpy)
 
         def run(tensors: Sequence[Any]) -> list[Any]:
             bound = getattr(local, "binding", None) or binding()
@@ -131,6 +164,45 @@ class TorchRunner:
             return list(map(from_numpy, bound.copy_outputs_to_cpu()))
 
         return run
+
+    def _reused_binding_server(self, expect: tuple, first: bool) -> Callable[..., Any]:
+        """``server`` on the reused binding: the checks and the binding in one pass over the inputs."""
+        run_bound, cpu, local, binding, from_numpy = self._binding_parts
+        options, device = self._options, self._input_device
+        if len(expect) != 1:
+            codes = [self._onnx_type[dtype] for dtype, _, _ in expect]
+            inputs = tuple(zip(self._in, codes))
+
+            def serve(*tensors: Any) -> Any:
+                if not _fits(tensors, expect, device):
+                    return None
+                bound = getattr(local, "binding", None) or binding()
+                for (name, code), t in zip(inputs, tensors):
+                    if not t.is_contiguous() or t.is_neg():
+                        t = t.resolve_neg().contiguous()
+                    bound.bind_input(name, cpu, code, t.shape, t.data_ptr())
+                run_bound(bound, options)
+                outs = bound.copy_outputs_to_cpu()
+                return from_numpy(outs[0]) if first else list(map(from_numpy, outs))
+
+            return serve
+        # One input, the common case, written out: each tensor attribute read costs ~0.1 us here.
+        ((dtype, shape, rank),) = expect
+        (name,), code = self._in, self._onnx_type[dtype]
+
+        def serve_one(t: Any) -> Any:
+            dims = t.shape
+            if t.dtype is not dtype or not t.is_cpu or (dims != shape if shape is not None else len(dims) != rank):
+                return None
+            bound = getattr(local, "binding", None) or binding()
+            if not t.is_contiguous() or t.is_neg():  # a pointer means dense, plainly stored values
+                t = t.resolve_neg().contiguous()
+            bound.bind_input(name, cpu, code, dims, t.data_ptr())
+            run_bound(bound, options)
+            outs = bound.copy_outputs_to_cpu()
+            return from_numpy(outs[0]) if first else list(map(from_numpy, outs))
+
+        return serve_one
 
     def _numpy_path(self) -> Callable[[Sequence[Any]], list[Any]]:
         # Everything the call needs is bound to closure locals: this is the per-call hot path.
@@ -177,6 +249,25 @@ _BINDABLE = {
 # Outputs copied out of a reused binding: above this many bytes the copy costs more than the
 # allocation onnxruntime saves (docs/BENCHMARKS.md).
 _COPY_LIMIT = 64 * 1024
+
+
+def _declared_input(meta: Any, torch: Any) -> tuple[Any, int]:
+    """(torch dtype, rank) the session declares for an input; a dtype of ``None`` never fits."""
+    if meta is None or meta.type not in ORT_TYPES:
+        return None, -1
+    return getattr(torch, ORT_TYPES[meta.type][0]), len(meta.shape)
+
+
+def _fits(tensors: Sequence[Any], expect: tuple, device: Any) -> bool:
+    """Whether each tensor has the expected (dtype, exact shape or None, rank) and device."""
+    if len(tensors) != len(expect):
+        return False
+    for t, (dtype, shape, rank) in zip(tensors, expect):
+        if t.dtype is not dtype or t.device != device:
+            return False
+        if t.shape != shape if shape is not None else t.ndim != rank:
+            return False
+    return True
 
 
 def _reused_binding_fits(session: ort.InferenceSession) -> bool:
