@@ -51,7 +51,7 @@ class Capture:
 
     def __init__(
         self, request: CaptureRequest, exported: exporters.ExportedGraph, runner: serving.TorchRunner,
-        out_spec: optree.PyTreeSpec, n_out: int, scalar_out: dict[int, type], keep: Any = None,
+        out_spec: optree.PyTreeSpec, eager_leaves: list[Any], scalar_out: dict[int, type], keep: Any = None,
     ) -> None:
         self._keep = keep  # a temporary folder with the external data of a model past protobuf's limit
         self.key = request.key
@@ -69,20 +69,21 @@ class Capture:
         self._out_spec = out_spec
         self._lift = sorted(lifted)
         graph_leaves = exported.graph_leaves
-        template: list[Any] = [None] * n_out
+        template: list[Any] = [None] * len(eager_leaves)
         for pos, value in exported.constants.items():
             template[pos] = value
         self._template = template
         self._slots = [(pos, scalar_out.get(pos)) for pos in graph_leaves]
         direct = not exported.constants and not scalar_out and not self._lift
         # run(feeds) -> the output tree; the common case (every output leaf a tensor the graph
-        # computes, no lifted numbers) is one closure over the runner, for the hot path.
-        self.run: Callable[[Sequence[Any]], Any] = _direct_run(runner.run, out_spec) if direct else self._run
-        self.flat_hit = None
-        if direct:  # the flat hit serves only what the graph computes alone
+        # computes, no lifted numbers) is one closure over the runner, and has a flat hit.
+        self.run: Callable[[Sequence[Any]], Any] = self._run
+        self.flat_hit: hits.FlatHit | None = None
+        if direct:
             leaf = out_spec.is_leaf()
+            finish = None if leaf else trees.rebuilder(out_spec, eager_leaves)
+            self.run = _direct_run(runner.run, finish)
             serve = runner.server(hits.shapes_for(self.guard), first=leaf)
-            finish = None if leaf else out_spec.unflatten
             self.flat_hit = hits.flat_hit(self.key, request.feed_positions, request.owner, self.guard, serve, finish)
 
     def _run(self, feeds: Sequence[Any]) -> Any:
@@ -99,11 +100,10 @@ class Capture:
         return leaves
 
 
-def _direct_run(run: Callable[[Sequence[Any]], list[Any]], out_spec: optree.PyTreeSpec) -> Callable:
-    if out_spec.is_leaf():  # one tensor out, the most common case: no tree to rebuild
+def _direct_run(run: Callable[[Sequence[Any]], list[Any]], rebuild: Callable | None) -> Callable:
+    if rebuild is None:  # one tensor out, the most common case: no tree to rebuild
         return lambda feeds: run(feeds)[0]
-    unflatten = out_spec.unflatten
-    return lambda feeds: unflatten(run(feeds))
+    return lambda feeds: rebuild(run(feeds))
 
 
 def _lifted_feeds(request: CaptureRequest) -> set[int]:
@@ -149,7 +149,7 @@ def build(request: CaptureRequest) -> Capture:
         + [leaf.dtype for leaf in eager_leaves if isinstance(leaf, torch.Tensor)],
         input_device=device,
     )
-    capture = Capture(request, exported, runner, out_spec, len(eager_leaves), scalar_out, keep=folder)
+    capture = Capture(request, exported, runner, out_spec, eager_leaves, scalar_out, keep=folder)
     _verify(capture, feeds, eager_leaves, names)
     return capture
 

@@ -12,7 +12,7 @@ import functools
 import keyword
 import re
 from collections import OrderedDict, defaultdict, deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 
@@ -58,6 +58,84 @@ def _flatten_with_entries(node: Any) -> Any:
 
 def _unflatten(unflatten_fn: Any) -> Any:
     return lambda context, children: unflatten_fn(children, context)
+
+
+def rebuilder(spec: optree.PyTreeSpec, example: Sequence[Any]) -> Callable[[Sequence[Any]], Any]:
+    """``spec.unflatten``, or an equivalent that skips the node type's constructor.
+
+    HuggingFace's ``ModelOutput`` constructor costs ~17 us a call (dataclass field scans on every
+    attribute set), as much as a small graph's run. When ``spec`` is one registered node over
+    leaves, and the object its unflatten builds from ``example`` holds nothing but those leaves and
+    ``None`` (in its ``__dict__`` and, for dict subclasses, its items), the same state is set on a
+    fresh instance directly. The clone is compared with the constructor's object here; anything
+    else (containers of containers, computed attributes, ``__slots__``, copies of leaves) keeps
+    the constructor. ``example`` must be tensors: where the constructor put each one is read from
+    object identity, which says nothing for numbers and strings (cached, interned).
+    """
+    import torch
+
+    unflatten = spec.unflatten
+    leaves = list(example)
+    if spec.is_leaf() or spec.type in _NATIVE or spec.num_children != spec.num_leaves:
+        return unflatten
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return unflatten
+    try:
+        made = unflatten(leaves)
+        clone = _state_clone(made, leaves)
+        if clone is None or not _same_state(clone(leaves), made):
+            return unflatten
+    except Exception:  # an unusual type: the constructor it is
+        return unflatten
+    return clone
+
+
+def _state_clone(made: Any, leaves: list[Any]) -> Callable[[Sequence[Any]], Any] | None:
+    """A builder of ``type(made)`` from new leaves, when ``made``'s state is exactly leaves and ``None``."""
+    cls = type(made)
+    if not hasattr(made, "__dict__") or not all(map(_plain_layout, cls.__mro__)):
+        return None
+    index = {id(leaf): i for i, leaf in enumerate(leaves)}
+    if len(index) != len(leaves):  # one object twice: positions would be ambiguous
+        return None
+    attrs = [(k, None if v is None else index.get(id(v), -1)) for k, v in vars(made).items()]
+    items = [(k, index.get(id(v), -1)) for k, v in dict.items(made)] if isinstance(made, dict) else []
+    if any(i == -1 for _, i in attrs + items):
+        return None  # state that is not a leaf: computed in the constructor, so it must run
+    setitem = OrderedDict.__setitem__ if isinstance(made, OrderedDict) else dict.__setitem__
+    new = cls.__new__
+
+    def clone(outs: Sequence[Any]) -> Any:
+        obj = new(cls)
+        state = obj.__dict__
+        for k, i in attrs:
+            state[k] = None if i is None else outs[i]
+        for k, i in items:
+            setitem(obj, k, outs[i])
+        return obj
+
+    return clone
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python, not in C
+
+
+def _plain_layout(c: type) -> bool:
+    """Whether ``c`` keeps no state outside ``__dict__`` and dict items (no C fields, no slots)."""
+    if c in (object, dict, OrderedDict):
+        return True
+    return bool(c.__flags__ & _HEAP_TYPE) and not vars(c).get("__slots__")
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if type(a) is not type(b) or list(vars(a)) != list(vars(b)):
+        return False
+    if any(v is not vars(b)[k] for k, v in vars(a).items()):
+        return False
+    if isinstance(a, dict):
+        pairs_a, pairs_b = list(dict.items(a)), list(dict.items(b))
+        return len(pairs_a) == len(pairs_b) and all(ka == kb and va is vb for (ka, va), (kb, vb) in zip(pairs_a, pairs_b))
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- names
