@@ -155,9 +155,11 @@ class TorchRunner:
 
         def run(tensors: Sequence[Any]) -> list[Any]:
             bound = getattr(local, "binding", None) or binding()
+            made = []  # dense copies: alive until the run, which reads them through bare pointers
             for name, t in zip(names, tensors):
                 if not t.is_contiguous() or t.is_neg():  # a pointer means dense, plainly stored values
                     t = t.resolve_neg().contiguous()
+                    made.append(t)
                 # The tensor's own type: onnxruntime then rejects a mismatch instead of misreading memory.
                 bound.bind_input(name, cpu, onnx_type[t.dtype], t.shape, t.data_ptr())
             inner.run_with_iobinding(bound, options)
@@ -177,9 +179,11 @@ class TorchRunner:
                 if not _fits(tensors, expect, device):
                     return None
                 bound = getattr(local, "binding", None) or binding()
+                made = []  # dense copies: alive until the run, which reads them through bare pointers
                 for (name, code), t in zip(inputs, tensors):
                     if not t.is_contiguous() or t.is_neg():
                         t = t.resolve_neg().contiguous()
+                        made.append(t)
                     bound.bind_input(name, cpu, code, t.shape, t.data_ptr())
                 run_bound(bound, options)
                 outs = bound.copy_outputs_to_cpu()

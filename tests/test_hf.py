@@ -33,6 +33,8 @@ def test_gpt2_compiles_drifts_and_serves_like_eager(gpt2):
             expected = gpt2(input_ids=ids, attention_mask=mask)
             assert type(got) is BaseModelOutputWithPastAndCrossAttentions
             assert list(got.keys()) == list(expected.keys())
+            assert list(vars(got)) == list(vars(expected))  # the same fields, None where eager has None
+            assert got.hidden_states is None and got[0] is got.last_hidden_state
             torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-4)
     assert f.state is cr.CompiledFunction.State.Compiled, f.recapture_reasons
     assert f.recapture_count == 1

@@ -196,3 +196,55 @@ def test_without_the_private_iobinding_the_public_paths_serve(monkeypatch):
     assert f._current._runner.path == "numpy"
     x = torch.randn(4, 3)
     torch.testing.assert_close(f(x), _affine(x))
+
+
+def _add(x, y):
+    return x + y
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["reused-binding", "numpy"])
+def test_the_checked_run_refuses_tensors_the_graph_was_not_made_for(large):
+    # The flat hit leaves dtype, device and shape to the runner's checked run: it must say no
+    # (None, nothing run) rather than hand onnxruntime memory it would misread.
+    rows = 5000 if large else 4  # 5000 x 4 floats out: past the reused binding's copy limit
+    f = cr.compile(_add)
+    f(torch.randn(rows, 4), torch.randn(rows, 4))
+    runner = f._current._runner
+    assert runner.path == ("numpy" if large else "reused binding")
+    serve = runner.server([(rows, 4), None], first=True)
+    x, y = torch.randn(rows, 4), torch.randn(rows, 4)
+    torch.testing.assert_close(serve(x, y), x + y)
+    torch.testing.assert_close(serve(x.t().contiguous().t(), y[:, :]), x + y)
+    assert serve(x.double(), y) is None
+    assert serve(x, y.int()) is None
+    assert serve(torch.randn(rows + 1, 4), y) is None
+    assert serve(x, torch.randn(rows, 4, 1)) is None  # shape None: any shape of the declared rank
+    assert serve(torch.empty(rows, 4, device="meta"), y) is None
+    assert serve(x) is None
+    (out,) = runner.server([(rows, 4), (rows, 4)])(x, y)
+    torch.testing.assert_close(out, x + y)
+
+
+def test_one_tensor_checked_run_refuses_the_same():
+    f = cr.compile(_affine)
+    f(torch.randn(4, 3))
+    exact, ranked = f._current._runner.server([(4, 3)], first=True), f._current._runner.server([None])
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(exact(x), _affine(x))
+    torch.testing.assert_close(ranked(x)[0], _affine(x))
+    for bad in (x.double(), torch.randn(4, 4), torch.randn(12), torch.empty(4, 3, device="meta")):
+        assert exact(bad) is None
+    assert ranked(torch.randn(12)) is None
+
+
+def test_dense_copies_of_strided_inputs_live_until_the_run():
+    # Each strided input is copied dense and bound by pointer; a copy freed before the run would
+    # let onnxruntime read reused memory. Through the flat hit and the general path (a dict).
+    flat, nested = cr.compile(_add), cr.compile(lambda d: d["x"] + d["y"])
+    flat(torch.randn(4, 4), torch.randn(4, 4))
+    nested({"x": torch.randn(4, 4), "y": torch.randn(4, 4)})
+    assert flat._current._runner.path == nested._current._runner.path == "reused binding"
+    for _ in range(20):
+        x, y = torch.randn(4, 4).t(), torch.randn(4, 4).t()
+        torch.testing.assert_close(flat(x, y), x + y)
+        torch.testing.assert_close(nested({"x": x, "y": y}), x + y)

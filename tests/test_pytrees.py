@@ -86,3 +86,102 @@ def test_non_tensor_output_leaves_are_returned():
     assert out["tag"] == "v1" and out["none"] is None and out["n"] == 3
     torch.testing.assert_close(out["y"], torch.full((2,), 2.0))
     assert list(out) == ["y", "tag", "none", "n"]
+
+
+
+# ----------------------------------------------------------------- output rebuild without the constructor
+
+BUILT = collections.Counter()  # constructor runs, by class name
+
+
+@dataclasses.dataclass
+class Plain:
+    x: torch.Tensor
+    y: torch.Tensor | None = None
+
+    def __post_init__(self):
+        BUILT["Plain"] += 1
+
+
+@dataclasses.dataclass
+class WithTotal:  # the constructor computes state from a leaf: it must run on every rebuild
+    x: torch.Tensor
+    total: torch.Tensor | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self):
+        BUILT["WithTotal"] += 1
+        self.total = self.x.sum()
+
+
+@dataclasses.dataclass(slots=True)
+class Slotted:  # state outside __dict__
+    x: torch.Tensor
+
+    def __post_init__(self):
+        BUILT["Slotted"] += 1
+
+
+torch_pytree.register_pytree_node(Plain, lambda o: ([o.x, o.y], None), lambda c, _: Plain(*c))
+torch_pytree.register_pytree_node(WithTotal, lambda o: ([o.x], None), lambda c, _: WithTotal(*c))
+torch_pytree.register_pytree_node(Slotted, lambda o: ([o.x], None), lambda c, _: Slotted(*c))
+
+
+def _state(obj):
+    attrs = {k: getattr(obj, k) for k in getattr(obj, "__slots__", ())} or dict(vars(obj))
+    return type(obj), attrs, list(dict.items(obj)) if isinstance(obj, dict) else None
+
+
+def _assert_same_state(got, expected):
+    got_type, got_attrs, got_items = _state(got)
+    exp_type, exp_attrs, exp_items = _state(expected)
+    assert got_type is exp_type and list(got_attrs) == list(exp_attrs)
+    for k, v in exp_attrs.items():
+        if v is None:
+            assert got_attrs[k] is None
+        else:
+            torch.testing.assert_close(got_attrs[k], v)  # tensors, and tuples of them
+    if exp_items is not None:
+        assert [k for k, _ in got_items] == [k for k, _ in exp_items]
+        for (_, g), (_, e) in zip(got_items, exp_items):
+            torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize(
+    "make, fast",
+    [
+        (lambda: BaseModelOutput(last_hidden_state=t(1, 2, 4)), True),
+        (lambda: Plain(t(2), t(3)), True),
+        (lambda: Batch(t(3), t(3)), True),
+        (lambda: WithTotal(t(3)), False),
+        (lambda: Slotted(t(2)), False),
+        (lambda: Plain(t(2), None), False),  # a None leaf: identity says nothing about where it went
+        (lambda: BaseModelOutput(last_hidden_state=t(1, 2, 4), hidden_states=(t(1, 2, 4),)), False),  # nested
+    ],
+    ids=["model_output", "plain_dataclass", "registered_dataclass", "computed_attribute", "slots", "none_leaf",
+         "nested"],
+)
+def test_output_trees_are_rebuilt_as_their_constructor_builds_them(make, fast):
+    trees.sync_registry()
+    leaves, spec = trees.flatten(make())
+    rebuild = trees.rebuilder(spec, leaves)
+    assert (rebuild != spec.unflatten) == fast
+    # New values: state the constructor computes from them must follow (WithTotal.total).
+    fresh = [leaf * 3 if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    _assert_same_state(rebuild(fresh), spec.unflatten(fresh))
+
+
+def test_the_fast_rebuild_skips_the_constructor_and_returns_fresh_objects():
+    trees.sync_registry()
+    leaves, spec = trees.flatten(Plain(t(2), t(3)))
+    rebuild = trees.rebuilder(spec, leaves)
+    before = BUILT["Plain"]
+    a, b = rebuild([t(2), t(3)]), rebuild([t(2), t(3)])
+    assert BUILT["Plain"] == before
+    assert a is not b and a.x is not b.x
+
+
+def test_one_tensor_twice_keeps_the_constructor():
+    trees.sync_registry()
+    x = t(2)
+    leaves, spec = trees.flatten(Plain(x, x))
+    assert trees.rebuilder(spec, leaves) == spec.unflatten
