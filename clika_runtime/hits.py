@@ -55,8 +55,7 @@ def flat_hit(
     fed = set(positions)
     constants = [i for i in range(count) if i not in fed]
     fixed = tuple((i, kind, value) for i, (kind, value) in zip(constants, statics))
-    # The guard runs only when shapes alone do not say it all (dynamic axes, ranges, conditions).
-    matches = None if guard.exact_shapes is not None else guard.matches
+    matches = _guard_check(guard, [m[1] for m in metas])
     tensor, picks = torch.Tensor, tuple(positions)
     if not fixed and count == 1 and finish is None:
         return _one_tensor_hit(owner, training, matches, serve)
@@ -75,11 +74,11 @@ def flat_hit(
                 return MISS
         if owner is not None and owner.training is not training:
             return MISS
-        if matches is not None and not matches(feeds):
-            return MISS
         try:
+            if matches is not None and not matches(feeds):
+                return MISS
             out = serve(*feeds)
-        except Exception:  # the general path runs it again and handles the failure (re-capture)
+        except Exception:  # the general path decides again and handles the failure (re-capture)
             return MISS
         if out is None:  # a dtype, device or shape the graph was not made for
             return MISS
@@ -95,6 +94,22 @@ def shapes_for(guard: ShapeGuard) -> tuple[tuple[int, ...] | None, ...]:
     return tuple(exact) if exact is not None else (None,) * len(guard.dims)
 
 
+def _guard_check(guard: ShapeGuard, ranks: Sequence[int]) -> Callable[[Sequence[Any]], bool] | None:
+    """The guard, for when shapes alone do not say it all (dynamic axes, ranges, conditions); ``None``
+    when the runner's checked run compares exact shapes. Ranks come first: the guard indexes axes."""
+    if guard.exact_shapes is not None:
+        return None
+    matches, ranks = guard.matches, tuple(ranks)
+
+    def check(feeds: Sequence[Any]) -> bool:
+        for a, rank in zip(feeds, ranks):
+            if a.ndim != rank:
+                return False
+        return matches(feeds)
+
+    return check
+
+
 def _one_tensor_hit(
     owner: torch.nn.Module | None, training: bool | None, matches: Callable | None, serve: Callable[..., Any]
 ) -> FlatHit:
@@ -107,11 +122,11 @@ def _one_tensor_hit(
         (a,) = args
         if type(a) is not tensor or a.requires_grad or (owner is not None and owner.training is not training):
             return MISS
-        if matches is not None and not matches(args):
-            return MISS
         try:
+            if matches is not None and not matches(args):
+                return MISS
             out = serve(a)
-        except Exception:  # the general path runs it again and handles the failure (re-capture)
+        except Exception:  # the general path decides again and handles the failure (re-capture)
             return MISS
         return MISS if out is None else out
 

@@ -248,3 +248,14 @@ def test_dense_copies_of_strided_inputs_live_until_the_run():
         x, y = torch.randn(4, 4).t(), torch.randn(4, 4).t()
         torch.testing.assert_close(flat(x, y), x + y)
         torch.testing.assert_close(nested({"x": x, "y": y}), x + y)
+
+
+def test_a_new_rank_with_dynamic_axes_is_a_new_key_not_an_error():
+    # The guard indexes axes; the flat hit must compare ranks before it runs the guard.
+    f = cr.compile(_affine, dynamic_axes={"x": {0: "batch"}})
+    f(torch.randn(4, 3))
+    assert f._flat_hit is not None
+    torch.testing.assert_close(f(torch.randn(6, 3)).shape, torch.Size([6, 3]))
+    x = torch.randn(4)
+    torch.testing.assert_close(f(x), _affine(x))
+    assert f.recapture_count == 1 and "rank" in f.recapture_reasons[0]
