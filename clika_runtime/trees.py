@@ -69,8 +69,8 @@ def rebuilder(spec: optree.PyTreeSpec, example: Sequence[Any]) -> Callable[[Sequ
     ``None`` (in its ``__dict__`` and, for dict subclasses, its items), the same state is set on a
     fresh instance directly. The clone is compared with the constructor's object here; anything
     else (containers of containers, computed attributes, ``__slots__``, copies of leaves) keeps
-    the constructor. ``example`` must be tensors: where the constructor put each one is read from
-    object identity, which says nothing for numbers and strings (cached, interned).
+    the constructor, and so do leaves other than tensors: where the constructor put each leaf is
+    read from object identity, which says nothing for numbers and strings (cached, interned).
     """
     import torch
 

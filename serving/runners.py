@@ -64,6 +64,9 @@ class TorchRunner:
       session run, outputs wrapped with ``torch.from_numpy`` (no copy).
     - ``"dlpack"`` (bfloat16, CUDA): IOBinding with DLPack OrtValues in and out, outputs bound on
       the place's device, onnxruntime working on torch's current CUDA stream.
+
+    ``run`` trusts its caller's key and guard; ``server`` makes the hot path's checked run, which
+    checks each tensor's dtype, device and shape itself as it binds it.
     """
 
     def __init__(
