@@ -245,7 +245,8 @@ def main() -> int:
         rss, growth = r["_memory"]
         verdicts.append(f"{w.name}: RSS {rss:.0f} MiB, growth over {args.memory_calls} served calls {growth:+.1f} MiB")
         for ratio, limit in TARGETS.get(w.name, []):
-            verdicts.append(f"{w.name}: {ratio} {ratios[ratio]:.3f} (target <= {limit}) {'met' if ratios[ratio] <= limit else 'MISSED'}")
+            verdict = "met" if ratios[ratio] <= limit else "MISSED"
+            verdicts.append(f"{w.name}: {ratio} {ratios[ratio]:.3f} (target <= {limit}) {verdict}")
     if args.first_call:
         (w,) = build((args.first_call,))
         for kind, (hand, ours) in first_call(w).items():
