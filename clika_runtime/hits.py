@@ -5,8 +5,8 @@ their positions first). For those, the general hit path's work (optree flatten, 
 its hash, the dict lookup, the guard) reduces to comparing each argument with what the current
 capture recorded: a constant's type and value, a tensor's exact type and autograd flag, the
 training flag, and the guard when some axes are dynamic. The tensors' dtype, device and shape are
-checked by the runner's checked run (``serving.TorchRunner.server``) as it binds them, so no
-tensor attribute is read twice. This module builds the check once per capture, as a closure over
+checked by the runner's checked run (``serving.TorchRunner.server``) where it binds them, not
+here as well. This module builds the check once per capture, as a closure over
 plain data; a call it does not accept takes the general path, which decides exactly as before, so
 the flat hit changes speed, never behaviour.
 """
