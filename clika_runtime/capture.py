@@ -8,9 +8,10 @@ How a capture then serves calls (its hot-path closures) lives in ``hits.py``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, NamedTuple, Sequence
 
 import optree
 import torch
@@ -105,12 +106,16 @@ def build(
     plan: CapturePlan, eager_out: Any, *, target: Callable[..., Any], forms: CallForms, owner: torch.nn.Module | None,
     output_names: Sequence[str] | None, output_axes: dict[str, dict[int, str | None]], graph_name: str,
     optimize: bool, place: serving.Place, parameters: Sequence[str],
+    exporting: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> Capture:
-    """Export, open a session and verify. Raises ``CaptureError`` (``VerificationError``) with why."""
+    """Export, open a session and verify. Raises ``CaptureError`` (``VerificationError``) with why.
+
+    ``exporting`` is held around the export: the target must not run eagerly meanwhile.
+    """
     try:
         with torch.inference_mode(False), torch.no_grad():
             return _build(plan, eager_out, target, forms, owner, output_names, output_axes, graph_name, optimize,
-                          place, parameters)
+                          place, parameters, exporting)
     except CaptureError:
         raise
     except Exception as e:  # anything else on the way is a capture failure too, never a lost call
@@ -120,7 +125,7 @@ def build(
 def _build(
     plan: CapturePlan, eager_out: Any, target: Callable[..., Any], forms: CallForms, owner: torch.nn.Module | None,
     output_names: Sequence[str] | None, output_axes: dict, graph_name: str, optimize: bool, place: serving.Place,
-    parameters: Sequence[str],
+    parameters: Sequence[str], exporting: Callable[[], ContextManager[Any]],
 ) -> Capture:
     phases: dict[str, float] = {}
     call = plan.call
@@ -129,7 +134,8 @@ def _build(
     names = _output_names(eager_out, eager_leaves, output_names)
     trace = _tracer(plan, target, forms)
     started = time.perf_counter()
-    exported = _export(plan, trace, names, eager_leaves, graph_name, output_axes, optimize, owner)
+    with exporting():
+        exported = _export(plan, trace, names, eager_leaves, graph_name, output_axes, optimize, owner)
     phases["export"] = time.perf_counter() - started
     feeds = list(call.feeds)
     guard = _guard(plan, exported, feeds, place)

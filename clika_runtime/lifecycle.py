@@ -26,6 +26,7 @@ from clika_runtime.config import config
 from clika_runtime.errors import CaptureError, SignatureValueError
 from clika_runtime.hits import RunFailed
 from clika_runtime.key import CallKey, Unkeyable
+from clika_runtime.sharing import TARGETS
 from clika_runtime.planning import (
     Call, CapturePlan, Decision, Eager, GiveUp, Options, Serve, Verify, decide, learned, learned_static, over_budget,
     special_static, unlifted,
@@ -77,14 +78,16 @@ class Lifecycle:
 
     def miss(self, args: tuple, kwargs: dict) -> Any:
         """Serve a call no hit served: plan under the lock, act outside it."""
+        if TARGETS.exclusive_here():  # called inside an export in this thread: be traced through
+            return self.target(*args, **kwargs)
         with self.lock:
             decision, call, generation = self._decide(args, kwargs)
         if isinstance(decision, Serve):
             return self._serve(decision.capture, call, args, kwargs)
         if isinstance(decision, Eager):
-            return self.target(*args, **kwargs)
+            return self.eager(args, kwargs)
         if isinstance(decision, GiveUp):
-            return self._give_up(decision.why, generation, lambda: self.target(*args, **kwargs))
+            return self._give_up(decision.why, generation, lambda: self.eager(args, kwargs))
         plan = decision.otherwise if isinstance(decision, Verify) else decision
         token = (generation, plan.call.key)
         try:
@@ -95,8 +98,15 @@ class Lifecycle:
             with self.lock:
                 self._inflight.discard(token)
 
+    def eager(self, args: tuple, kwargs: dict) -> Any:
+        """The target's own result for the call as made (never under the function's lock)."""
+        with TARGETS.shared():
+            return self.target(*args, **kwargs)
+
     def run_failed(self, failed: RunFailed, args: tuple, kwargs: dict) -> Any:
         """A graph failed on inputs its guard accepted: drop it, serve this call as a miss."""
+        if TARGETS.exclusive_here():  # fake tensors of an export in this thread, not a failure
+            return self.target(*args, **kwargs)
         with self.lock:
             why = f"the graph failed on these inputs ({hints.first_line(failed.error)}); re-captured from them"
             self.table = without(self.table, [failed.capture], pending=why)
@@ -114,6 +124,8 @@ class Lifecycle:
             self._unkeyable(str(e))
             return Eager(), None, table.generation
         decision = decide(table, call, self.options, self.owner)
+        if isinstance(decision, (CapturePlan, Verify)) and TARGETS.shared_here():
+            return Eager(), call, table.generation  # the target calls its own compiled function
         if isinstance(decision, (CapturePlan, Verify)):
             plan = decision.otherwise if isinstance(decision, Verify) else decision
             token = (table.generation, plan.call.key)
@@ -197,7 +209,7 @@ class Lifecycle:
             plan, out, target=self.target, forms=self.forms, owner=self.owner, output_names=self.output_names,
             output_axes={n: dict(a) for n, a in self.options.dynamic_axes.items() if n not in inputs},
             graph_name=self.graph_name, optimize=self.optimize, place=self._place_for(plan.call.feeds),
-            parameters=self.forms.positional,
+            parameters=self.forms.positional, exporting=TARGETS.exclusive,
         )
 
     def _install(self, attempt: _Attempt, generation: int) -> None:
@@ -249,7 +261,7 @@ class Lifecycle:
     def _eager(self, call: Call, args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
         """The target's result for the call as made, and the inputs it mutated in place."""
         snapshots = [_snapshot(t) if isinstance(t, _Tensor) else None for t in call.feeds]
-        out = self.target(*args, **kwargs)  # the target's own exceptions reach the caller unchanged
+        out = self.eager(args, kwargs)  # the target's own exceptions reach the caller unchanged
         mutated = [n for n, t, s in zip(call.names, call.feeds, snapshots) if s is not None and _mutated(t, s)]
         return out, mutated
 

@@ -1,12 +1,22 @@
-"""Calls from several threads at once, cold and warm: right results, no deadlock."""
+"""Calls from several threads at once: right results, no deadlock, no call waiting on another's
+eager run, one capture per key, and sessions freed as soon as nothing uses them."""
 
 from __future__ import annotations
 
+import copy
+import gc
+import random
+import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 import clika_runtime as cr
+from conftest import current
+
+State = cr.CompiledFunction.State
 
 
 def _fn(x, mode):
@@ -27,4 +37,182 @@ def test_concurrent_cold_and_warm_calls_are_correct():
     assert len(results) == len(jobs)
     for got, expected in results:
         torch.testing.assert_close(got, expected)
-    assert f.state is cr.CompiledFunction.State.Compiled
+    assert f.state is State.Compiled
+
+
+def _all_at_once(threads: int, call) -> list:
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(lambda _: call(), range(threads), timeout=120))
+
+
+def test_calls_in_fallback_and_after_take_graph_run_concurrently():
+    # Each call waits until four calls are inside the target at once: a lock around the eager
+    # target would break the barrier (its timeout) instead of letting them meet.
+    meet = threading.Barrier(4, timeout=30)
+    gate = {"open": False}
+
+    def branchy(x):  # a data-dependent branch: the capture fails, the function falls back
+        if gate["open"]:
+            meet.wait()
+        return x + 1 if x.sum() > 0 else x - 1
+
+    def doubled(x):
+        if gate["open"]:
+            meet.wait()
+        return x * 2
+
+    fallen, taken = cr.compile(branchy), cr.compile(doubled)
+    with pytest.warns(UserWarning, match="capture failed"):
+        fallen(torch.ones(2))
+    taken(torch.ones(2))
+    taken.take_graph()
+    assert fallen.state is State.Fallback and taken.state is State.Fallback
+    gate["open"] = True
+    assert all(torch.equal(y, torch.full((2,), 2.0)) for y in _all_at_once(4, lambda: fallen(torch.ones(2))))
+    assert all(torch.equal(y, torch.full((2,), 2.0)) for y in _all_at_once(4, lambda: taken(torch.ones(2))))
+
+
+def test_a_capture_in_progress_blocks_neither_hits_on_other_keys_nor_a_second_miss_of_its_key():
+    release = threading.Event()
+    entered = threading.Event()
+    eager_calls = []
+
+    def target(x, mode):
+        if mode == "slow" and not release.is_set() and not entered.is_set():  # the first (eager) call
+            entered.set()
+            assert release.wait(30), "the other calls did not return while this capture was in progress"
+        eager_calls.append(mode)
+        return x * 2 if mode == "slow" else x + 1
+
+    f = cr.compile(target)
+    x = torch.ones(2)
+    f(x, "fast")  # key A captured
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        slow = pool.submit(f, x, "slow")  # key B: its eager run waits inside the target
+        assert entered.wait(30)
+        torch.testing.assert_close(f(x, "fast"), x + 1)  # a hit on key A meanwhile
+        release.set()
+        torch.testing.assert_close(slow.result(timeout=60), x * 2)
+    assert f.recapture_count == 1
+
+
+def test_two_threads_missing_one_key_make_one_capture():
+    meet = threading.Barrier(2, timeout=30)
+    arrived = []
+
+    def target(x):
+        arrived.append(1)
+        if len(arrived) <= 2:
+            meet.wait()  # both eager calls are inside the target before either returns
+        return x.sin()
+
+    f = cr.compile(target)
+    outs = _all_at_once(2, lambda: f(torch.ones(3)))
+    for out in outs:
+        torch.testing.assert_close(out, torch.ones(3).sin())
+    assert f.state is State.Compiled and len(f.captures) == 1 and f.recapture_count == 0
+
+
+def _session_ref(f) -> weakref.ref:
+    return weakref.ref(current(f).parts.runner.session)
+
+
+@pytest.mark.parametrize("drop", ["evict", "reset", "take_graph", "fallback"])
+def test_a_dropped_capture_frees_its_session_without_the_garbage_collector(drop):
+    cr.config.cache_size = 1
+    f = cr.compile(lambda x, k: x + k, specialize=True)
+    f(torch.ones(2), 1)
+    ref = _session_ref(f)
+    gc.disable()
+    try:
+        if drop == "evict":
+            f(torch.ones(2), 2)  # the only slot goes to k=2
+        elif drop == "reset":
+            f.reset()
+        elif drop == "take_graph":
+            f.take_graph()
+        else:
+            cr.config.recapture_limit = 0
+            with pytest.warns(UserWarning, match="re-capture limit"):
+                f(torch.ones(2), 3)
+        assert ref() is None, f"the session outlived the capture after {drop}"
+    finally:
+        gc.enable()
+
+
+class _ReadersWriter:
+    """Calls share the weights (readers); a weight update has them alone (the writer)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+
+    def read(self, fn):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._readers += 1
+        try:
+            return fn()
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    def write(self, fn):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            self._writing = True
+        try:
+            fn()
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+def _scale_weights(models, factor: float) -> None:
+    with torch.no_grad():
+        for m in models:
+            m[0].weight.mul_(factor)
+
+
+@pytest.mark.slow
+def test_stress_hits_drifts_resets_takes_and_weight_updates_never_serve_a_wrong_answer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).eval()
+    # The reference is a twin updated alike: torch.export swaps a module's parameters for fakes
+    # while it traces, so nothing may call the compiled module directly during a capture.
+    twin = copy.deepcopy(model)
+    f = cr.compile(model)
+    weights = _ReadersWriter()
+    errors = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(25):
+            op = rng.random()
+            if op < 0.08:
+                f.reset()
+            elif op < 0.12:
+                try:
+                    f.take_graph()
+                except cr.StateError:
+                    pass
+            elif op < 0.2:
+                weights.write(lambda: _scale_weights((model, twin), 0.9))
+            else:
+                x = torch.randn(rng.choice([1, 2, 3, 5]), 4)
+
+                def call():
+                    with torch.no_grad():
+                        return f(x), twin(x)
+
+                got, expected = weights.read(call)
+                if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+                    errors.append((tuple(x.shape), (got - expected).abs().max().item()))
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for future in [pool.submit(worker, seed) for seed in range(8)]:
+            future.result(timeout=600)
+    assert not errors, errors

@@ -1,0 +1,195 @@
+"""Nothing stale: weights, buffers, closed-over tensors and static objects are what the target
+would use now, on every call; a shipped graph keeps the guard its capture enforced."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import clika_runtime as cr
+from clika_runtime import GraphInputError
+from conftest import Counted
+
+State = cr.CompiledFunction.State
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.register_buffer("shift", torch.zeros(3))
+
+    def forward(self, x):
+        return self.fc(x) + self.shift
+
+
+def _served_and_eager(f, model, x):
+    with torch.no_grad():
+        return f(x), model(x)
+
+
+@pytest.mark.parametrize(
+    "change, changed",
+    [
+        (lambda m: m.load_state_dict({k: v * 2 + 1 for k, v in m.state_dict().items()}), "'fc.weight'"),
+        (lambda m: m.fc.weight.mul_(3), "'fc.weight'"),
+        (lambda m: m.shift.add_(1), "'shift'"),
+        (lambda m: setattr(m.fc.weight, "data", torch.randn(3, 4)), "'fc.weight'"),
+        (lambda m: setattr(m.fc, "bias", torch.nn.Parameter(torch.ones(3))), "'fc.bias'"),
+        (lambda m: setattr(m, "fc", torch.nn.Linear(4, 3)), "'fc.weight'"),
+        (lambda m: m.half().float(), "'fc.weight'"),  # new storage, possibly at the old address
+    ],
+    ids=["load_state_dict", "inplace_param", "inplace_buffer", "param_data", "new_parameter", "new_submodule",
+         "half_float"],
+)
+def test_changed_weights_are_never_served_stale(change, changed):
+    model = Net().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    _served_and_eager(f, model, x)
+    with torch.no_grad():
+        change(model)
+    got, expected = _served_and_eager(f, model, x)
+    torch.testing.assert_close(got, expected)
+    assert f.recapture_count == 1 and f.recapture_reasons[0].startswith("weights changed:")
+    assert changed in f.recapture_reasons[0], f.recapture_reasons
+    got, expected = _served_and_eager(f, model, x)  # and the new graph serves from then on
+    torch.testing.assert_close(got, expected)
+    assert f.recapture_count == 1 and f.state is State.Compiled
+
+
+def test_an_unrelated_registration_keeps_the_graph():
+    model = Net().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    _served_and_eager(f, model, x)
+    torch.nn.Linear(2, 2)  # registers parameters somewhere else in the process
+    got, expected = _served_and_eager(f, model, x)
+    torch.testing.assert_close(got, expected)
+    assert f.recapture_count == 0
+
+
+SCALE = torch.tensor([2.0, 3.0])
+
+
+def _scaled(x):
+    return x * SCALE
+
+
+def test_closed_over_tensors_changed_in_place_or_rebound_recapture():
+    global SCALE
+    table = torch.tensor([1.0, 1.0])
+    f = cr.compile(lambda x: x * table)
+    x = torch.ones(2)
+    f(x)
+    table.mul_(5)
+    torch.testing.assert_close(f(x), x * table)
+    assert f.recapture_reasons == ["weights changed: 'table'"]
+    g = cr.compile(_scaled)
+    g(x)
+    saved, SCALE = SCALE, torch.tensor([7.0, 7.0])
+    try:
+        torch.testing.assert_close(g(x), torch.full((2,), 7.0))
+        assert g.recapture_reasons == ["weights changed: 'SCALE'"]
+    finally:
+        SCALE = saved
+
+
+class Config:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    scale: float
+    mode: str = "mul"
+
+
+def test_a_mutable_static_object_is_keyed_by_its_value_not_its_identity():
+    target = Counted(lambda x, cfg: x * cfg.scale)
+    f = cr.compile(target)
+    cfg, x = Config(2.0), torch.ones(3)
+    torch.testing.assert_close(f(x, cfg), x * 2)
+    cfg.scale = 3.0
+    torch.testing.assert_close(f(x, cfg), x * 3)
+    assert f.recapture_count == 1 and "static value changed: 'cfg'" in f.recapture_reasons[0]
+    calls = target.calls
+    torch.testing.assert_close(f(x, Config(3.0)), x * 3)  # an equal object hits
+    assert target.calls == calls
+
+
+def test_a_frozen_dataclass_equal_to_the_captured_one_hits():
+    target = Counted(lambda x, cfg: x * cfg.scale if cfg.mode == "mul" else x + cfg.scale)
+    f = cr.compile(target)
+    x = torch.ones(3)
+    f(x, Frozen(2.0))
+    calls = target.calls
+    torch.testing.assert_close(f(x, Frozen(2.0)), x * 2)
+    assert target.calls == calls
+    torch.testing.assert_close(f(x, Frozen(2.0, "add")), x + 2)
+    assert f.recapture_count == 1
+
+
+def test_an_object_that_cannot_be_compared_by_value_serves_eagerly_with_one_warning():
+    class Holder:
+        def __init__(self):
+            self.weights = torch.ones(3)
+
+    f = cr.compile(lambda x, h: x * h.weights)
+    h, x = Holder(), torch.ones(3)
+    with pytest.warns(UserWarning, match="holding a Tensor") as record:
+        f(x, h)
+        h.weights = torch.full((3,), 2.0)
+        torch.testing.assert_close(f(x, h), x * 2)
+    assert len(record) == 1 and f.state is State.Pending
+
+
+# --------------------------------------------------------------------------------- shipped guards
+
+
+def _above_two(x):
+    return x * 2 if x.shape[0] > 2 else x + 1
+
+
+@pytest.fixture(scope="module")
+def shipped_branch(tmp_path_factory):
+    f = cr.compile(_above_two)
+    f(torch.ones(4, 2))
+    f(torch.ones(6, 2))  # axis 0 dynamic; the branch holds for sizes >= 3 only
+    path = f.take_graph().save(tmp_path_factory.mktemp("guard") / "branch.onnx")
+    return f, path
+
+
+def test_a_shipped_graph_enforces_the_guard_its_capture_enforced(shipped_branch):
+    _, path = shipped_branch
+    served = cr.load(path)
+    np.testing.assert_array_equal(served(np.ones((5, 2), np.float32)), np.full((5, 2), 2.0, np.float32))
+    with pytest.raises(GraphInputError, match=r"input 'x' axis 0: size 2 outside the graph's range \[3, inf\]"):
+        served(np.ones((2, 2), np.float32))
+    with pytest.raises(GraphInputError, match=r"input 'x' axis 0: size 1 not yet verified"):
+        served(np.ones((1, 2), np.float32))
+
+
+def test_inspect_shows_the_guard(shipped_branch, capsys):
+    from clika_runtime.cli import main as cli
+
+    _, path = shipped_branch
+    assert cli(["inspect", str(path)]) == 0
+    assert "x_dim0 in [3, inf]" in capsys.readouterr().out
+
+
+def test_graphs_from_other_tools_load_without_a_shipped_guard(tmp_path):
+    from onnx import TensorProto, helper, save
+
+    node = helper.make_node("Relu", ["a"], ["b"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n", 2])],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n", 2])])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(tmp_path / "relu.onnx"))
+    served = cr.load(tmp_path / "relu.onnx")
+    assert served(np.ones((1, 2), np.float32))["b"].shape == (1, 2)
+    with pytest.raises(GraphInputError, match=r"input 'a' axis 1: expected size 2, got 3"):
+        served(np.ones((1, 3), np.float32))
