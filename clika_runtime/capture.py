@@ -259,13 +259,39 @@ def _guard(plan: CapturePlan, exported: exporters.ExportedGraph, feeds: list[Any
         else:
             rules.append(InputRule(name, "int64", None, exported.number_ranges.get(i, (None, None))))
     ranges = tuple((n, lo, hi) for n, (lo, hi) in exported.dim_ranges.items() if lo > 0 or hi is not None)
-    conditions = tuple((tree, evaluate(tree, feeds)) for tree in exported.conditions)
+    dims = [r.shape for r in rules]
+    conditions = tuple((tree, evaluate(tree, feeds)) for tree in exported.conditions if not _settled(tree, dims))
     device = next((str(t.device) for t in feeds if isinstance(t, torch.Tensor)), "cpu")
     guard = Guard(tuple(rules), ranges, conditions, device=device, verify_small=True).with_special(feeds)
     problem = guard.check(feeds)
     if problem is not None:  # the exporter's contract does not even hold for its own example
         raise CaptureError(f"the exported graph's shapes do not fit the inputs it was exported from: {problem}")
     return guard
+
+
+def _settled(tree: tuple, dims: Sequence[tuple[int | str, ...] | None]) -> bool:
+    """Whether a condition cannot change for any call the dims accept: it reads only static sizes,
+    or compares two sides that read the same dims (``x.shape[1] == y.shape[1]`` when both are
+    one dim name). Such conditions are dropped instead of evaluated on every call."""
+
+    def named(node: tuple) -> Any:
+        if node[0] == "size":
+            return dims[node[1]][node[2]] if dims[node[1]] is not None else node
+        if node[0] == "num":
+            return node
+        if node[0] == "const":
+            return node[1]
+        return (node[0], *(named(child) for child in node[1:]))
+
+    def reads_inputs(node: Any) -> bool:
+        if isinstance(node, str) or (isinstance(node, tuple) and node and node[0] in ("size", "num")):
+            return True
+        return isinstance(node, tuple) and any(reads_inputs(child) for child in node[1:])
+
+    resolved = named(tree)
+    if not reads_inputs(resolved):
+        return True
+    return resolved[0] in ("eq", "le", "ge", "ne", "lt", "gt") and len(resolved) == 3 and resolved[1] == resolved[2]
 
 
 def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: list[str], eager_out: Any) -> None:

@@ -147,7 +147,7 @@ class Guard:
         object.__setattr__(self, "_verified", frozenset((s.sizes, s.outcomes) for s in self.specials))
         static = all(r.shape is not None and all(type(d) is int for d in r.shape) for r in self.inputs)
         exact = None
-        if static and not self.conditions:
+        if static and not self.conditions and self.device in (None, "cpu"):
             exact = tuple((tuple(r.shape), a) for r, a in zip(self.inputs, accept))
         object.__setattr__(self, "_exact", exact)
 
@@ -165,9 +165,10 @@ class Guard:
         """The first reason this graph may not serve ``feeds`` (tensors or arrays, and Python
         numbers for lifted inputs), or ``None`` when it may."""
         exact = self._exact
-        if exact is not None and len(feeds) == len(exact) and self._on_device(feeds):
+        if exact is not None and len(feeds) == len(exact):  # the common case, without the walk
+            cpu = self.device == "cpu"
             for feed, (shape, accept) in zip(feeds, exact):
-                if feed.shape != shape or feed.dtype not in accept:
+                if feed.shape != shape or feed.dtype not in accept or (cpu and not feed.is_cpu):
                     break
             else:
                 return None
@@ -280,14 +281,6 @@ class Guard:
                     if type(want) is not int:
                         sizes.setdefault(want, got)
         return sizes
-
-    def _on_device(self, feeds: Sequence[Any]) -> bool:
-        device = self.device
-        if device is None:
-            return True
-        if device == "cpu":
-            return all(getattr(f, "is_cpu", False) for f in feeds)
-        return all(str(getattr(f, "device", "")) == device for f in feeds)
 
     # ----------------------------------------------------------------------------- shipped form
 

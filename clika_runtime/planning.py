@@ -119,6 +119,10 @@ class CapturePlan:
     the new one supersedes; ``variant`` keeps it beside the key's other captures; ``special``
     marks a capture made for sizes 0/1 a dynamic graph did not handle (its failures never make
     the function's dynamic axes static).
+
+    An axis whose size in this call is 0 or 1 is exported static unless the user declared it
+    dynamic: the exporter treats a dynamic size as "not 1" (broadcasting), so a graph traced from
+    a size-1 example with that axis dynamic does not describe the example itself.
     """
 
     call: Call
@@ -128,6 +132,14 @@ class CapturePlan:
     replaces: tuple["Capture", ...] = ()
     variant: bool = False
     special: bool = False
+
+    def __post_init__(self) -> None:
+        exportable = tuple(
+            {a: n for a, n in axes.items() if a in declared or not isinstance(value, _Tensor)
+             or value.shape[a] >= SPECIAL_BELOW}
+            for axes, declared, value in zip(self.dynamic, self.declared, self.call.feeds)
+        )
+        object.__setattr__(self, "dynamic", exportable)
 
 
 @dataclass(frozen=True)
