@@ -160,9 +160,10 @@ def _require_int(what: str, value: Any, minimum: int) -> None:
 
 
 def _default_name(graph_name: str) -> str:
-    """The graph name kept to characters that every file system and a URL path segment (KServe v2's
-    ``/v2/models/<name>``) take as they are."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", graph_name).strip("._-") or "model"
+    """The graph name (a function's own name, not its ``outer.<locals>.`` prefix) kept to characters
+    that every file system and a URL path segment (KServe v2's ``/v2/models/<name>``) take as they are."""
+    own = graph_name.rpartition(".<locals>.")[2]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", own).strip("._-") or "model"
 
 
 def _config_text(
