@@ -56,14 +56,15 @@ class _Tokens:
     def peek(self) -> str | None:
         return self._items[self._next][1] if self._next < len(self._items) else None
 
-    def take(self, expected: str | None = None) -> tuple[str, str]:
+    def take(self, expected: str | None = None) -> tuple[str, str, int]:
+        """The next token as (kind, text, line); ``expected``: the text it must be."""
         if self._next == len(self._items):
             raise ValueError(f"unexpected end of text{f', expected {expected!r}' if expected else ''}")
         kind, value, line = self._items[self._next]
         if expected is not None and value != expected:
             raise ValueError(f"line {line}: expected {expected!r}, got {value!r}")
         self._next += 1
-        return kind, value
+        return kind, value, line
 
     def accept(self, value: str) -> bool:
         if self.peek() == value:
@@ -71,19 +72,17 @@ class _Tokens:
             return True
         return False
 
-    def line(self) -> int:
-        return self._items[min(self._next, len(self._items) - 1)][2] if self._items else 1
-
 
 def _message(tokens: _Tokens, end: str | None) -> Tree:
     fields: Tree = {}
     while tokens.peek() != end:
-        kind, name = tokens.take()
+        kind, name, line = tokens.take()
         if kind != "word":
-            raise ValueError(f"line {tokens.line()}: expected a field name, got {name!r}")
-        tokens.accept(":")
+            raise ValueError(f"line {line}: expected a field name, got {name!r}")
+        tokens.accept(":")  # optional before a message
         fields.setdefault(name, []).extend(_values(tokens))
-        tokens.accept(",") or tokens.accept(";")
+        if not tokens.accept(","):  # fields may end with ',' or ';'
+            tokens.accept(";")
     if end is not None:
         tokens.take(end)
     return fields
@@ -101,7 +100,7 @@ def _values(tokens: _Tokens) -> list[Any]:
 
 
 def _value(tokens: _Tokens) -> Any:
-    kind, text = tokens.take()
+    kind, text, line = tokens.take()
     if text in _CLOSE:
         return _message(tokens, _CLOSE[text])
     if kind == "string":
@@ -110,4 +109,4 @@ def _value(tokens: _Tokens) -> Any:
         return float(text) if any(c in text for c in ".eE") else int(text)
     if kind == "word":
         return text
-    raise ValueError(f"line {tokens.line()}: expected a value, got {text!r}")
+    raise ValueError(f"line {line}: expected a value, got {text!r}")

@@ -107,7 +107,7 @@ def write_model(
     external_data: bool | None = None,
 ) -> Path:
     """Write ``graph`` into a Triton model repository; see ``ModelGraph.to_triton``."""
-    batching = _batching_options(version, max_batch_size, dynamic_batching, instances, kind)
+    batching = _checked_options(version, max_batch_size, dynamic_batching, instances, kind)
     name = _default_name(graph.graph_name) if name is None else name
     tensors = _tensors(graph.model_proto)
     problems = _name_problems(name) + _tensor_problems(tensors, max_batch_size) + _reference_problems(graph.model_proto)
@@ -127,7 +127,7 @@ def write_model(
     return folder
 
 
-def _batching_options(
+def _checked_options(
     version: int, max_batch_size: int, dynamic_batching: bool | Mapping[str, Any] | None, instances: int, kind: str,
 ) -> dict[str, Any] | None:
     """Check the plain options; return the dynamic batching settings (None: off)."""
@@ -139,12 +139,16 @@ def _batching_options(
     if dynamic_batching is None or dynamic_batching is False:
         return None
     if max_batch_size == 0:
-        raise DeployError("dynamic_batching needs max_batch_size > 0: Triton's batcher forms batches of at most that size")
+        raise DeployError("dynamic_batching needs max_batch_size > 0: Triton's batcher forms batches of at most "
+                          "that size")
     settings = {} if dynamic_batching is True else dict(dynamic_batching)
     unknown = sorted(set(settings) - set(_DYNAMIC_BATCHING_KEYS))
     if unknown:
-        raise DeployError(f"dynamic_batching: unknown key(s) {unknown}; expected some of {list(_DYNAMIC_BATCHING_KEYS)}")
+        raise DeployError(f"dynamic_batching: unknown key(s) {unknown}; expected some of "
+                          f"{list(_DYNAMIC_BATCHING_KEYS)}")
     sizes = settings.get("preferred_batch_size", [])
+    if not isinstance(sizes, (list, tuple)):
+        raise DeployError(f"dynamic_batching preferred_batch_size: expected a list of ints, got {sizes!r}")
     for size in sizes:
         # core ValidateModelConfig: "dynamic batching preferred size must be <= max batch size"
         _require_int("dynamic_batching preferred_batch_size", size, 1)
@@ -250,7 +254,8 @@ def _name_problems(name: str) -> list[str]:
     if not name.strip():
         return [f"model name {name!r}: Triton refuses an empty or all-space name"]
     if name in (".", "..") or "/" in name or "\0" in name:
-        return [f"model name {name!r}: Triton needs one directory name (no '/', not '.' or '..'), e.g. {_default_name(name)!r}"]
+        return [f"model name {name!r}: Triton needs one directory name (no '/', not '.' or '..'), "
+                f"e.g. {_default_name(name)!r}"]
     return []
 
 
@@ -286,7 +291,8 @@ def _batch_problems(tensors: list[_Tensor]) -> list[str]:
         elif isinstance(t.shape[0], int):
             problems.append(f"{head} has a static dim 0 {_shape(t)}: {_make_dynamic(t)}")
         elif not t.shape[0]:
-            problems.append(f"{head} has an unnamed dynamic dim 0, which cannot be shown to be the batch dim: {_make_dynamic(t)}")
+            problems.append(f"{head} has an unnamed dynamic dim 0, which cannot be shown to be the batch dim: "
+                            f"{_make_dynamic(t)}")
         elif batch is None:
             batch = t
         elif t.shape[0] != batch.shape[0]:
@@ -316,8 +322,7 @@ def _reference_problems(model_proto: Any) -> list[str]:
     problems = []
     for tensor, location in _external_locations(model_proto):
         if _escapes(location):
-            problems.append(f"tensor '{tensor}': external data location {location!r} is absolute or climbs out of "
-                            f"the model's folder ('..'): refused, it would read a file outside the repository")
+            problems.append(_escape_problem(tensor, location))
         else:
             problems.append(f"tensor '{tensor}': weights left in the external file {location!r}, not in the graph: "
                             f"load the graph with ModelGraph.load(path), which reads them")
@@ -341,6 +346,11 @@ def _all_tensors(graph: Any) -> Iterator[Any]:
             yield from attribute.tensors
             for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
                 yield from _all_tensors(subgraph)
+
+
+def _escape_problem(tensor: str, location: str) -> str:
+    return (f"tensor '{tensor}': external data location {location!r} is absolute or climbs out of the model's "
+            f"folder ('..'): refused, it would read a file outside the repository")
 
 
 def _escapes(location: str) -> bool:
@@ -368,12 +378,14 @@ def check_repository(model_folder: str | os.PathLike) -> list[str]:
     problems = _config_problems(config, folder.name)
     version, model = latest_model(folder, config.model_filename)
     if model is None:
-        missing = "no version folder (a positive integer name)" if version is None else f"version {version} has no {config.model_filename}"
-        return problems + [f"{folder}: {missing}"]
+        if version is None:
+            return problems + [f"{folder}: no version folder (a positive integer name)"]
+        return problems + [f"{folder}: version {version} has no {config.model_filename}"]
     try:
         proto = onnx.load_model(str(model), load_external_data=False)
     except Exception as e:  # onnx raises protobuf's and its own types alike for a bad file
-        return problems + [f"{model}: not a readable ONNX model: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}"]
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return problems + [f"{model}: not a readable ONNX model: {detail}"]
     tensors = _tensors(proto)
     return (problems + _stored_data_problems(proto, model.parent)
             + _tensor_problems(_listed(tensors, config), config.max_batch_size) + _agreement_problems(config, tensors))
@@ -411,6 +423,7 @@ def _message_tree(message: Any) -> pbtxt.Tree:
 
 def _summary(tree: pbtxt.Tree) -> TritonConfig:
     batching = _first(tree, "dynamic_batching", None)
+    preferred = None if batching is None else tuple(int(s) for s in batching.get("preferred_batch_size", []))
     return TritonConfig(
         name=str(_first(tree, "name", "")),
         platform=str(_first(tree, "platform", "")),
@@ -418,7 +431,7 @@ def _summary(tree: pbtxt.Tree) -> TritonConfig:
         max_batch_size=int(_first(tree, "max_batch_size", 0)),
         inputs=tuple(_tensor_config(e) for e in tree.get("input", [])),
         outputs=tuple(_tensor_config(e) for e in tree.get("output", [])),
-        preferred_batch_sizes=None if batching is None else tuple(int(s) for s in batching.get("preferred_batch_size", [])),
+        preferred_batch_sizes=preferred,
         model_filename=str(_first(tree, "default_model_filename", "")) or MODEL_FILE,
     )
 
@@ -458,14 +471,17 @@ def _config_problems(config: TritonConfig, folder_name: str) -> list[str]:
     problems = _name_problems(config.name or folder_name)
     # core model_repository_manager.cc: "directory name must equal model name".
     if config.name and config.name != folder_name:
-        problems.append(f"config name '{config.name}' differs from its folder's name '{folder_name}': Triton requires them equal")
+        problems.append(f"config name '{config.name}' differs from its folder's name '{folder_name}': "
+                        f"Triton requires them equal")
     if config.platform != PLATFORM and config.backend != "onnxruntime":
-        problems.append(f"config platform {config.platform!r}, backend {config.backend!r}: expected platform '{PLATFORM}' for an ONNX model")
+        problems.append(f"config platform {config.platform!r}, backend {config.backend!r}: expected platform "
+                        f"'{PLATFORM}' for an ONNX model")
     if config.max_batch_size < 0:  # core ValidateModelConfig
         problems.append(f"max_batch_size {config.max_batch_size}: Triton requires it >= 0")
     for size in config.preferred_batch_sizes or ():  # core ValidateModelConfig
         if not 0 < size <= config.max_batch_size:
-            problems.append(f"dynamic_batching preferred_batch_size {size}: Triton requires 1..max_batch_size ({config.max_batch_size})")
+            problems.append(f"dynamic_batching preferred_batch_size {size}: Triton requires "
+                            f"1..max_batch_size ({config.max_batch_size})")
     return problems
 
 
@@ -475,7 +491,7 @@ def _stored_data_problems(model_proto: Any, folder: Path) -> list[str]:
         where = f"tensor '{tensor}': external data location {location!r}"
         path = folder / location
         if _escapes(location):
-            problems.append(f"{where} is absolute or climbs out of the model's folder ('..'): it would read a file outside the repository")
+            problems.append(_escape_problem(tensor, location))
         elif not path.is_file():
             problems.append(f"{where}: no such file in {folder}")
         elif not path.resolve().is_relative_to(folder.resolve()):
@@ -493,7 +509,8 @@ def _agreement_problems(config: TritonConfig, tensors: list[_Tensor]) -> list[st
     problems = []
     inputs = [t for t in tensors if t.role == "input"]
     if len(config.inputs) != len(inputs):  # ort ValidateInputs: "configuration expects N inputs, model provides M"
-        problems.append(f"config lists {len(config.inputs)} input(s), the graph has {len(inputs)}: {[t.name for t in inputs]}")
+        problems.append(f"config lists {len(config.inputs)} input(s), the graph has {len(inputs)}: "
+                        f"{[t.name for t in inputs]}")
     for role, entries in (("input", config.inputs), ("output", config.outputs)):
         graph = {t.name: t for t in tensors if t.role == role}
         for entry in entries:

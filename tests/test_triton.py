@@ -97,6 +97,10 @@ def _parse(folder: Path):
     return text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
 
 
+def _kind(group) -> str:
+    return model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind)
+
+
 def _assert_agrees(config, graph: cr.ModelGraph, batch: int) -> None:
     """Names in order, data types and dims of every entry, against the graph's own inputs and outputs."""
     proto = graph.model_proto.graph
@@ -106,7 +110,8 @@ def _assert_agrees(config, graph: cr.ModelGraph, batch: int) -> None:
     for role, entries in (("input", config.input), ("output", config.output)):
         assert [e.name for e in entries] == [v.name for v in values[role]]
         for entry, value in zip(entries, values[role]):
-            assert model_config_pb2.DataType.Name(entry.data_type) == TRITON[TensorProto.DataType.Name(value.type.tensor_type.elem_type)]
+            onnx_type = TensorProto.DataType.Name(value.type.tensor_type.elem_type)
+            assert model_config_pb2.DataType.Name(entry.data_type) == TRITON[onnx_type], entry.name
             dims = [d.dim_value if d.HasField("dim_value") else -1 for d in value.type.tensor_type.shape.dim]
             if batch:
                 assert dims[0] == -1, entry.name
@@ -141,8 +146,8 @@ def test_written_config_parses_with_tritons_schema_and_agrees_with_the_graph(cas
     assert config.platform == "onnxruntime_onnx"
     assert config.max_batch_size == options.get("max_batch_size", 0)
     _assert_agrees(config, graph, config.max_batch_size)
-    assert [(g.count, g.kind) for g in config.instance_group] == [
-        (options.get("instances", 1), model_config_pb2.ModelInstanceGroup.Kind.Value(f"KIND_{options.get('kind', 'cpu').upper()}"))]
+    kind = f"KIND_{options.get('kind', 'cpu').upper()}"
+    assert [(g.count, _kind(g)) for g in config.instance_group] == [(options.get("instances", 1), kind)]
     batching = options.get("dynamic_batching")
     assert config.HasField("dynamic_batching") == bool(batching)
     if isinstance(batching, dict):
@@ -218,37 +223,52 @@ def _external_reference(graph: cr.ModelGraph, location: str) -> cr.ModelGraph:
     return cr.ModelGraph(proto)
 
 
-REFUSALS = {
-    "static dim 0": ("static", {"max_batch_size": 4},
-                     r"^max_batch_size > 0 but input 'x' has a static dim 0 \[2, 8\]: make it dynamic when capturing, with "
-                     r"dynamic_axes=\{'x': \{0: 'batch'\}\}, a signature TensorSpec\(\('batch', \.\.\.\)\), or a call at a "
-                     r"second batch size before take_graph\(\); max_batch_size > 0 but output 'output' has a static dim 0"),
-    "lifted number": ("lifted", {"max_batch_size": 4},
-                      r"input 'k' is rank 0 \(a lifted Python number\), which cannot be batched along dim 0: use max_batch_size=0"),
-    "output dim 0 not the batch": ("lifted", {"max_batch_size": 4},
-                                   r"output 'out_0' has dim 0 'Min\(\w+, x_dim0\)', not the batch dim 'x_dim0' of input 'x': "
-                                   r"Triton would split it as if it were"),
-    "inputs with two batch dims": ("two_batches", {"max_batch_size": 4},
-                                   r"input 'b' has dim 0 'b_dim0', not the batch dim 'a_dim0' of input 'a': declare them one dim, "
-                                   r"with equal names in signature or dynamic_axes \(e\.g\. \{'a': \{0: 'batch'\}, 'b': \{0: 'batch'\}\}\)"),
-    "output reduced over the batch": ("reduced", {"max_batch_size": 4},
-                                      r"output 'output' has a static dim 0 \[3\]: Triton splits every output along its dim 0"),
-    "complex dtype": ("complex", {}, r"input 'z' is complex64, which Triton's onnxruntime backend does not take \(it takes "
-                                     r"TYPE_BOOL, .*TYPE_BF16, .*\): cast it in the model"),
-    "name ..": ("batched", {"name": ".."}, r"model name '\.\.': Triton needs one directory name \(no '/', not '\.' or '\.\.'\)"),
+REFUSALS = {  # graph, options, the message (a regular expression)
+    "static dim 0": (
+        "static", {"max_batch_size": 4},
+        r"^max_batch_size > 0 but input 'x' has a static dim 0 \[2, 8\]: make it dynamic when capturing, with "
+        r"dynamic_axes=\{'x': \{0: 'batch'\}\}, a signature TensorSpec\(\('batch', \.\.\.\)\), or a call at a "
+        r"second batch size before take_graph\(\); max_batch_size > 0 but output 'output' has a static dim 0"),
+    "lifted number": (
+        "lifted", {"max_batch_size": 4},
+        r"input 'k' is rank 0 \(a lifted Python number\), which cannot be batched along dim 0: use max_batch_size=0"),
+    "output dim 0 not the batch": (
+        "lifted", {"max_batch_size": 4},
+        r"output 'out_0' has dim 0 'Min\(\w+, x_dim0\)', not the batch dim 'x_dim0' of input 'x': "
+        r"Triton would split it as if it were"),
+    "inputs with two batch dims": (
+        "two_batches", {"max_batch_size": 4},
+        r"input 'b' has dim 0 'b_dim0', not the batch dim 'a_dim0' of input 'a': declare them one dim, with equal "
+        r"names in signature or dynamic_axes \(e\.g\. \{'a': \{0: 'batch'\}, 'b': \{0: 'batch'\}\}\)"),
+    "output reduced over the batch": (
+        "reduced", {"max_batch_size": 4},
+        r"output 'output' has a static dim 0 \[3\]: Triton splits every output along its dim 0"),
+    "complex dtype": (
+        "complex", {},
+        r"input 'z' is complex64, which Triton's onnxruntime backend does not take \(it takes "
+        r"TYPE_BOOL, .*TYPE_BF16, .*\): cast it in the model"),
+    "name ..": ("batched", {"name": ".."}, r"model name '\.\.': Triton needs one directory name \(no '/', not '\.'"),
     "name with /": ("batched", {"name": "a/b"}, r"model name 'a/b': Triton needs one directory name .* e\.g\. 'a_b'"),
     "blank name": ("batched", {"name": "  "}, r"model name '  ': Triton refuses an empty or all-space name"),
-    "absolute external data": ("abs_data", {}, r"tensor '.*': external data location '/etc/passwd' is absolute or climbs out"),
-    "external data climbing out": ("up_data", {}, r"location '\.\./\.\./secret\.bin' is absolute or climbs out of the model's "
-                                                  r"folder \('\.\.'\): refused, it would read a file outside the repository"),
+    "absolute external data": ("abs_data", {}, r"external data location '/etc/passwd' is absolute or climbs out"),
+    "external data climbing out": (
+        "up_data", {},
+        r"location '\.\./\.\./secret\.bin' is absolute or climbs out of the model's folder \('\.\.'\): refused, "
+        r"it would read a file outside the repository"),
     "windows drive": ("drive_data", {}, r"location 'C:\\\\w\.bin' is absolute or climbs out"),
-    "external data not loaded": ("unloaded", {}, r"weights left in the external file 'w\.bin', not in the graph: load the graph "
-                                                 r"with ModelGraph\.load\(path\)"),
-    "dynamic batching without batching": ("batched", {"dynamic_batching": True}, r"^dynamic_batching needs max_batch_size > 0"),
-    "preferred size past the max": ("batched", {"max_batch_size": 4, "dynamic_batching": {"preferred_batch_size": [8]}},
-                                    r"^dynamic_batching preferred_batch_size 8 is past max_batch_size 4$"),
-    "unknown batching key": ("batched", {"max_batch_size": 4, "dynamic_batching": {"max_delay": 5}},
-                             r"unknown key\(s\) \['max_delay'\]; expected some of \['preferred_batch_size', 'max_queue_delay_microseconds'\]"),
+    "external data not loaded": (
+        "unloaded", {},
+        r"weights left in the external file 'w\.bin', not in the graph: load the graph with ModelGraph\.load\(path\)"),
+    "dynamic batching off": ("batched", {"dynamic_batching": True}, r"^dynamic_batching needs max_batch_size > 0"),
+    "preferred size past the max": (
+        "batched", {"max_batch_size": 4, "dynamic_batching": {"preferred_batch_size": [8]}},
+        r"^dynamic_batching preferred_batch_size 8 is past max_batch_size 4$"),
+    "preferred size not a list": (
+        "batched", {"max_batch_size": 4, "dynamic_batching": {"preferred_batch_size": 4}},
+        r"^dynamic_batching preferred_batch_size: expected a list of ints, got 4$"),
+    "unknown batching key": (
+        "batched", {"max_batch_size": 4, "dynamic_batching": {"max_delay": 5}},
+        r"unknown key\(s\) \['max_delay'\]; expected some of \['preferred_batch_size', 'max_queue_delay_microseconds'\]"),
     "version 0": ("batched", {"version": 0}, r"^version: expected an int >= 1, got 0$"),
     "no instances": ("batched", {"instances": 0}, r"^instances: expected an int >= 1, got 0$"),
     "negative batch": ("batched", {"max_batch_size": -1}, r"^max_batch_size: expected an int >= 0, got -1$"),
@@ -344,14 +364,16 @@ TAMPERED = {
                  "input 'x': config dims [0]: Triton requires one or more dims, each >= 1 or -1"),
     "unknown input": (_edit_config('name: "x"', 'name: "y"'),
                       "config input 'y' is not a graph input; the graph's are ['x']"),
-    "name differs from the folder": (_rename, "config name 'tiny' differs from its folder's name 'renamed': Triton requires them equal"),
+    "name differs from the folder": (
+        _rename, "config name 'tiny' differs from its folder's name 'renamed': Triton requires them equal"),
     "platform": (_edit_config('platform: "onnxruntime_onnx"', 'platform: "tensorrt_plan"'),
                  "config platform 'tensorrt_plan', backend '': expected platform 'onnxruntime_onnx' for an ONNX model"),
     "preferred size": (_edit_config("preferred_batch_size: [ 4, 8 ]", "preferred_batch_size: [ 4, 16 ]"),
                        "dynamic_batching preferred_batch_size 16: Triton requires 1..max_batch_size (8)"),
     "no version": (lambda folder: shutil.rmtree(folder / "1"), "no version folder (a positive integer name)"),
-    "external data climbing out": (_edit_location("../../secret.bin"),
-                                   "external data location '../../secret.bin' is absolute or climbs out of the model's folder"),
+    "external data climbing out": (
+        _edit_location("../../secret.bin"),
+        "external data location '../../secret.bin' is absolute or climbs out of the model's folder"),
     "external data missing": (_edit_location("gone.bin"), "external data location 'gone.bin': no such file in"),
 }
 
@@ -439,7 +461,7 @@ def test_cli_triton_writes_and_validate_checks_the_folder(batched, static, tmp_p
                                        f"tritonserver --model-repository {repository}\n")
     config = _parse(folder)
     assert config.max_batch_size == 8 and config.HasField("dynamic_batching")
-    assert [(g.count, model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind)) for g in config.instance_group] == [(2, "KIND_GPU")]
+    assert [(g.count, _kind(g)) for g in config.instance_group] == [(2, "KIND_GPU")]
     assert cli(["validate", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "triton model folder" in out and "ok" in out and "runs at x_dim0=8" in out
