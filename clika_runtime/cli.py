@@ -7,6 +7,7 @@ import importlib
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from clika_runtime.errors import ClikaError
@@ -93,7 +94,9 @@ def _triton(args: argparse.Namespace) -> int:
         args.repository, args.name, version=args.version, max_batch_size=args.max_batch_size,
         dynamic_batching=args.dynamic_batching, instances=args.instances, kind="gpu" if args.gpu else "cpu",
     )
-    print(f"wrote {folder} (version {args.version}); serve it with: tritonserver --model-repository {args.repository}")
+    # Triton takes a local repository by its absolute path.
+    print(f"wrote {folder} (version {args.version}); serve it with: "
+          f"tritonserver --model-repository {Path(args.repository).resolve()}")
     return 0
 
 
