@@ -13,6 +13,7 @@ from clika_runtime.config import config
 from clika_runtime.errors import (
     CaptureError,
     ClikaError,
+    DeployError,
     GraphFileError,
     GraphInputError,
     PlaceError,
@@ -34,6 +35,7 @@ __all__ = [
     "CaptureError",
     "ClikaError",
     "CompiledFunction",
+    "DeployError",
     "DynamicAxes",
     "GraphFileError",
     "GraphInputError",

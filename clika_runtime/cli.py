@@ -7,6 +7,7 @@ import importlib
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from clika_runtime.errors import ClikaError
@@ -35,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_inspect)
 
     p = sub.add_parser("validate", help="check, load and run a graph at several sizes; exit 1 on failure")
-    p.add_argument("model")
+    p.add_argument("model", help="a .onnx file, or a Triton model folder (one holding config.pbtxt)")
     p.add_argument("--reference", help=".npz of arrays named after graph inputs and outputs")
     p.add_argument("--dims", nargs="*", default=[], metavar="NAME=1,8,32", help="sizes per dynamic dim")
     p.add_argument("--place", default="cpu")
@@ -53,6 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to save the .onnx")
     p.add_argument("--dynamic", action="store_true", help="every axis dynamic from the first capture")
     p.set_defaults(run=_export)
+
+    p = sub.add_parser("triton", help="write a graph as a Triton model (config.pbtxt + version folder)")
+    p.add_argument("model", help="the .onnx file")
+    p.add_argument("--repository", required=True, help="the model repository folder")
+    p.add_argument("--name", help="model name (default: from the graph name)")
+    p.add_argument("--version", type=int, default=1)
+    p.add_argument("--max-batch-size", type=int, default=0, help="> 0 lets Triton batch along dim 0")
+    p.add_argument("--dynamic-batching", action="store_true", help="Triton's dynamic batcher (needs --max-batch-size)")
+    p.add_argument("--instances", type=int, default=1, help="model instances")
+    p.add_argument("--gpu", action="store_true", help="instances on GPUs (KIND_GPU) instead of CPUs")
+    p.set_defaults(run=_triton)
     return parser
 
 
@@ -73,6 +85,19 @@ def _validate(args: argparse.Namespace) -> int:
     )
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1
+
+
+def _triton(args: argparse.Namespace) -> int:
+    from clika_runtime.graph import ModelGraph
+
+    folder = ModelGraph.load(args.model).to_triton(
+        args.repository, args.name, version=args.version, max_batch_size=args.max_batch_size,
+        dynamic_batching=args.dynamic_batching, instances=args.instances, kind="gpu" if args.gpu else "cpu",
+    )
+    # Triton takes a local repository by its absolute path.
+    print(f"wrote {folder} (version {args.version}); serve it with: "
+          f"tritonserver --model-repository {Path(args.repository).resolve()}")
+    return 0
 
 
 def _parse_dims(items: Sequence[str]) -> dict[str, list[int]]:

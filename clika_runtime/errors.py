@@ -37,3 +37,7 @@ class GraphInputError(ClikaError, ValueError):
 
 class GraphFileError(ClikaError, ValueError):
     """A graph file is missing, truncated, corrupt, or lacks its external data."""
+
+
+class DeployError(ClikaError, ValueError):
+    """A graph cannot be deployed as asked (e.g. a Triton repository that Triton would refuse)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Mapping
 
 from clika_runtime import metadata
 from clika_runtime.errors import GraphFileError
@@ -99,6 +99,36 @@ class ModelGraph:
         else:
             onnx.save_model(self._proto, str(path))
         return path
+
+    def to_triton(
+        self,
+        repository: str | os.PathLike,
+        name: str | None = None,
+        *,
+        version: int = 1,
+        max_batch_size: int = 0,
+        dynamic_batching: bool | Mapping[str, Any] | None = None,
+        instances: int = 1,
+        kind: Literal["cpu", "gpu"] = "cpu",
+        external_data: bool | None = None,
+    ) -> Path:
+        """Write the graph as a Triton model: ``<repository>/<name>/config.pbtxt`` and
+        ``<repository>/<name>/<version>/model.onnx``; return the model folder ``<repository>/<name>``.
+
+        ``name``: default from the graph name. ``max_batch_size > 0`` lets Triton batch requests
+        along dim 0, which needs dim 0 of every input and output to be one dynamic dim (the batch);
+        ``dynamic_batching``: ``True`` (Triton's defaults) or ``{"preferred_batch_size": [...],
+        "max_queue_delay_microseconds": N}``. ``instances`` model instances of ``kind`` ("cpu" or
+        "gpu"). ``external_data`` as in ``save``; with external data the version holds a folder
+        ``model.onnx/`` with ``model.onnx`` and its data, the layout Triton documents. Raises
+        ``DeployError`` (before writing anything) for what Triton would refuse: see docs/DEPLOY.md.
+        """
+        from clika_runtime.triton import write_model
+
+        return write_model(
+            self, repository, name, version=version, max_batch_size=max_batch_size,
+            dynamic_batching=dynamic_batching, instances=instances, kind=kind, external_data=external_data,
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ModelGraph":

@@ -126,14 +126,20 @@ def validate_graph(
 ) -> Report:
     """Validate a graph file; see the module docstring. Never raises for a bad graph: it reports.
 
-    ``dims`` gives sizes per dynamic dim name (default 1, 3, 8 each); an unknown name is an error
-    (``ValueError`` listing the graph's dim names). ``reference`` is an ``.npz`` with arrays named
-    after graph inputs and outputs: the graph is run on those inputs and compared with those outputs.
+    ``path`` may also be a Triton model folder (one holding config.pbtxt): it is checked with
+    ``clika_runtime.triton.check_repository``, then the model file of its highest version is
+    validated. ``dims`` gives sizes per dynamic dim name (default 1, 3, 8 each); an unknown name is
+    an error (``ValueError`` listing the graph's dim names). ``reference`` is an ``.npz`` with arrays
+    named after graph inputs and outputs: the graph is run on those inputs and compared with those outputs.
     """
     import onnx
 
     report = Report(str(path))
     path = Path(path)
+    if (path / "config.pbtxt").is_file():
+        path = _check_triton_folder(path, report)
+        if path is None:
+            return report
     try:
         onnx.checker.check_model(str(path), full_check=True)
         report.add("onnx checker (full)", True)
@@ -167,6 +173,23 @@ def validate_graph(
     if reference is not None:
         report.add("matches reference outputs", *_compare_reference(session, reference, rtol, atol))
     return report
+
+
+def _check_triton_folder(folder: Path, report: Report) -> Path | None:
+    """Report what Triton would refuse in the folder; return its highest version's model file."""
+    from clika_runtime import triton
+
+    problems = triton.check_repository(folder)
+    for problem in problems:
+        report.add("triton model folder", False, problem)
+    try:
+        filename = triton.read_config(folder / triton.CONFIG_FILE).model_filename
+    except (OSError, ValueError):
+        return None  # reported above
+    version, model = triton.latest_model(folder, filename)
+    if not problems:
+        report.add("triton model folder", True, f"config.pbtxt agrees with version {version}: {model}")
+    return model
 
 
 def _dim_names(session: Any) -> list[str]:
