@@ -1,4 +1,4 @@
-"""``clika-runtime`` / ``python -m clika_runtime``: inspect, validate and export graphs in CI."""
+"""``clika-runtime`` / ``python -m clika_runtime``: inspect, validate, export and serve graphs."""
 
 from __future__ import annotations
 
@@ -53,6 +53,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to save the .onnx")
     p.add_argument("--dynamic", action="store_true", help="every axis dynamic from the first capture")
     p.set_defaults(run=_export)
+
+    p = sub.add_parser("serve", help="serve a graph over the KServe v2 HTTP protocol on Ray Serve, with dynamic batching")
+    p.add_argument("model")
+    p.add_argument("--name", help="model name in URLs (default: the file's stem)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=8, help="rows per graph run when batching (1: no batching)")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="longest wait for a batch to fill")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--place", default="cpu", help="where replicas run the graph: cpu, cuda, cuda:1, a provider name")
+    p.add_argument("--max-request-mb", type=float, default=64.0, help="larger request bodies are refused unread")
+    p.set_defaults(run=_serve)
     return parser
 
 
@@ -73,6 +85,19 @@ def _validate(args: argparse.Namespace) -> int:
     )
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from clika_runtime.kserve import deployment
+    except ImportError as e:
+        raise ValueError(f"serve needs Ray Serve: pip install 'clika-runtime[serve]' ({e})") from e
+    deployment.run(
+        args.model, name=args.name, host=args.host, port=args.port, place=args.place,
+        max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, replicas=args.replicas,
+        max_request_mb=args.max_request_mb,
+    )
+    return 0
 
 
 def _parse_dims(items: Sequence[str]) -> dict[str, list[int]]:

@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -33,6 +33,14 @@ META_PARAMETERS = "clika_runtime.parameters"
 _PROTOBUF_LIMIT = 2**31 - 2**26
 
 ONNX_TYPE_NAMES = serving.DTYPE_NAMES  # onnxruntime's type strings -> dtype names (numpy's, and bfloat16)
+
+
+class TensorInfo(NamedTuple):
+    """A graph input or output as the graph declares it."""
+
+    name: str
+    dtype: str  # numpy's name ("float32", "int64", "bool"), or "bfloat16"
+    shape: tuple[int | str | None, ...]  # an int per static axis; the dim's name (or None) per dynamic axis
 
 
 class ModelGraph:
@@ -190,7 +198,8 @@ class ServedGraph:
         self._parameters = json.loads(meta.get(META_PARAMETERS, "[]"))
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
-        self._expect = [(i.name, ONNX_TYPE_NAMES.get(i.type, i.type), list(i.shape)) for i in self._session.get_inputs()]
+        self._expect = [_info(i) for i in self._session.get_inputs()]
+        self._declared_outputs = [_info(o) for o in self._session.get_outputs()]
         self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
         self._numpy_unfit = [o.name for o in self._session.get_outputs() if o.type == "tensor(bfloat16)"]
         self._torch: Any = None
@@ -200,8 +209,36 @@ class ServedGraph:
         """The onnxruntime providers the session really runs on."""
         return self._session.get_providers()
 
+    @property
+    def inputs(self) -> list[TensorInfo]:
+        """The graph's inputs as declared (name, dtype, shape), in input order."""
+        return list(self._expect)
+
+    @property
+    def outputs(self) -> list[TensorInfo]:
+        """The graph's outputs as declared (name, dtype, shape), in output order."""
+        return list(self._declared_outputs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        feeds = self._feeds(args, kwargs)
+        outs = self._checked_run(self._feeds(args, kwargs))
+        if self._outputs is None:
+            return dict(zip(self.output_names, outs))
+        return treedesc.rebuild(self._outputs, iter(outs))
+
+    def run(self, feeds: Mapping[str, Any], /) -> dict[str, Any]:
+        """Run on arrays given by graph input name; returns ``{output name: array}``.
+
+        The flat form of a call, for servers that speak graph input names (the KServe v2 server):
+        the checks of a call, without the captured pytrees.
+        """
+        missing = [n for n in self.input_names if n not in feeds]
+        unknown = [n for n in feeds if n not in self.input_names]
+        if missing or unknown:
+            raise GraphInputError(f"graph inputs are {self.input_names}; missing {missing}, unknown {unknown}")
+        return dict(zip(self.output_names, self._checked_run([feeds[n] for n in self.input_names])))
+
+    def _checked_run(self, feeds: list[Any]) -> list[Any]:
+        """Check each input against the graph's declaration, then run; outputs in output order."""
         for i, ((name, dtype, shape), value) in enumerate(zip(self._expect, feeds)):
             if type(value) in (int, float) and not shape:  # a lifted Python number
                 feeds[i] = value = np.asarray(value, dtype=dtype)
@@ -211,10 +248,7 @@ class ServedGraph:
             raise GraphInputError(
                 f"output(s) {self._numpy_unfit} are bfloat16, which numpy cannot hold: call with torch tensors"
             )
-        outs = self._run_torch(feeds) if is_torch else self._numpy.run(feeds)
-        if self._outputs is None:
-            return dict(zip(self.output_names, outs))
-        return treedesc.rebuild(self._outputs, iter(outs))
+        return self._run_torch(feeds) if is_torch else self._numpy.run(feeds)
 
     def _feeds(self, args: tuple, kwargs: dict) -> list[Any]:
         if self._inputs is None:  # plain ONNX: by position, then by name
@@ -286,6 +320,10 @@ class ServedGraph:
             dtypes = [t.dtype for t in tensors] + [ONNX_TYPE_NAMES.get(o.type, o.type) for o in self._session.get_outputs()]
             self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
         return self._torch.run(tensors)
+
+
+def _info(value: Any) -> TensorInfo:
+    return TensorInfo(value.name, ONNX_TYPE_NAMES.get(value.type, value.type), tuple(value.shape))
 
 
 def _check_input(name: str, dtype: str, shape: Sequence[Any], value: Any) -> None:
