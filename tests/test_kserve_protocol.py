@@ -247,6 +247,17 @@ def test_graphs_that_cannot_batch_say_why(inputs, outputs, reason):
     assert re.search(reason, why), why
 
 
+def test_the_plan_says_whether_requests_share_runs():
+    assert batching.plan(MODEL, 8, 5.0) == batching.Plan(
+        "x_dim0", True, "batching on dim 'x_dim0' (axis 0 of every input and output), up to 8 rows per run, "
+        "waiting at most 5 ms")
+    assert batching.plan(MODEL, 1, 5.0) == batching.Plan(
+        "x_dim0", False, "not batching: max_batch_size is 1 (the graph could batch on dim 'x_dim0')")
+    static = protocol.Model.from_graph("m", [TensorInfo("x", "float32", (4,))], [TensorInfo("y", "float32", (4,))])
+    assert batching.plan(static, 8, 5.0) == batching.Plan(
+        None, False, "cannot batch: input 'x' has a static axis 0 (size 4); requests run one by one")
+
+
 def test_requests_are_stacked_by_shape_group_and_split_back_in_order(graph):
     requests = [_request(1), _request(2, k=5), _request(3), _request(1, k=5), _request(2)]
     outcomes, executions = batching.run_batch(graph.run, requests)

@@ -234,27 +234,28 @@ def test_the_replica_code_path_never_imports_torch(shipped):
     script = textwrap.dedent(f"""
         import sys
         from clika_runtime.kserve import deployment
-        replica = deployment.KServeModel.func_or_class({str(path)!r}, "scorer", "cpu", 8, 5.0, 2**20)
+        replica = deployment.KServeModel.func_or_class({str(path)!r}, "scorer", "cpu", 1, 5.0, 2**20)
         print(replica.describe())
         print("torch" in sys.modules)
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["batching on dim 'x_dim0' (axis 0 of every input and output)", "False"]
+    assert result.stdout.splitlines() == ["not batching: max_batch_size is 1 (the graph could batch on dim 'x_dim0')",
+                                          "False"]
 
 
 def test_the_serve_command_serves_until_interrupted(shipped):
     _, path = shipped
     port = _free_port()
     command = [sys.executable, "-m", "clika_runtime", "serve", str(path), "--name", "cli", "--port", str(port),
-               "--max-batch-size", "4"]
+               "--max-batch-size", "4", "--batch-wait-ms", "2.5"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     children: list[psutil.Process] = []
     try:
         line = _wait_for_line(process, "serving model", timeout=180)
-        assert line == (f"serving model 'cli' at http://127.0.0.1:{port}/v2/models/cli: "
-                        "batching on dim 'x_dim0' (axis 0 of every input and output)")
+        assert line == (f"serving model 'cli' at http://127.0.0.1:{port}/v2/models/cli: batching on dim 'x_dim0' "
+                        "(axis 0 of every input and output), up to 4 rows per run, waiting at most 2.5 ms")
         children = psutil.Process(process.pid).children(recursive=True)
         with triton.InferenceServerClient(f"127.0.0.1:{port}") as client:
             x, ids = _example(2, seed=500)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -39,6 +39,25 @@ class Execution:
 
     rows: int
     ns: int
+
+
+class Plan(NamedTuple):
+    """How a replica serves a model's requests."""
+
+    dim: str | None  # the batch dim, when the graph has one
+    stacks: bool  # whether requests go through the batch queue to share runs
+    sentence: str  # the above in words, for the log and the serve command
+
+
+def plan(model: Model, max_batch_size: int, batch_wait_ms: float) -> Plan:
+    """Batch when the graph has a batch dim and a run may hold more than one row: otherwise a
+    request would wait out the batch wait for nothing."""
+    dim, why = batch_dim(model)
+    if dim is None:
+        return Plan(None, False, why)
+    if max_batch_size == 1:
+        return Plan(dim, False, f"not batching: max_batch_size is 1 (the graph could batch on dim {dim!r})")
+    return Plan(dim, True, f"{why}, up to {max_batch_size} rows per run, waiting at most {batch_wait_ms:g} ms")
 
 
 def batch_dim(model: Model) -> tuple[str | None, str]:

@@ -42,18 +42,18 @@ class KServeModel:
     ) -> None:
         self._graph = load(path, place)
         self._model = protocol.Model.from_graph(name, self._graph.inputs, self._graph.outputs)
-        self._dim, self._batching = batching.batch_dim(self._model)
+        self._plan = batching.plan(self._model, max_batch_size, batch_wait_ms)
         self._max_rows = max_batch_size
         self._max_bytes = max_request_bytes
         self._stats = Statistics()
         # @serve.batch takes its sizes at class definition; these are the sizes this app was built with.
         self._stacked.set_max_batch_size(max_batch_size)
         self._stacked.set_batch_wait_timeout_s(batch_wait_ms / 1000)
-        logger.log(logging.INFO if self._dim else logging.WARNING, "model %r: %s", name, self._batching)
+        logger.log(logging.INFO if self._plan.stacks else logging.WARNING, "model %r: %s", name, self._plan.sentence)
 
     def describe(self) -> str:
         """Whether this replica batches, and why (printed by ``clika-runtime serve`` at startup)."""
-        return self._batching
+        return self._plan.sentence
 
     async def __call__(self, request: Request) -> Response:
         """Answer one HTTP request of the v2 protocol."""
@@ -82,7 +82,7 @@ class KServeModel:
             # body cap could only come from a shape that lies about its data.
             parsed = protocol.parse_infer(self._model, body, header_length, max_elements=self._max_bytes)
             feeds = parsed.inputs
-            rows = len(next(iter(feeds.values()))) if self._dim else 1
+            rows = len(next(iter(feeds.values()))) if self._plan.dim else 1
             outcome = await self._execute(batching.Request(feeds, rows))
             if isinstance(outcome, Exception):
                 raise outcome
@@ -100,9 +100,9 @@ class KServeModel:
         return Response(content, headers=headers)
 
     async def _execute(self, request: batching.Request) -> batching.Outcome:
-        if self._dim is None or request.rows > self._max_rows:
-            return (await self._run([request]))[0]
-        return await self._stacked(request)
+        if self._plan.stacks and request.rows <= self._max_rows:
+            return await self._stacked(request)
+        return (await self._run([request]))[0]  # a request larger than a batch runs alone
 
     @serve.batch(batch_size_fn=batching.rows_of)
     async def _stacked(self, requests: list[batching.Request]) -> list[batching.Outcome]:
@@ -144,7 +144,7 @@ def app(
     path = Path(path).resolve()
     if not path.is_file():
         raise GraphFileError(f"{path}: no such file")
-    name = model_name(path, name)
+    name = _model_name(path, name)
     _require(max_batch_size >= 1, f"max_batch_size must be >= 1, got {max_batch_size}")
     _require(batch_wait_ms >= 0, f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
     _require(replicas >= 1, f"replicas must be >= 1, got {replicas}")
@@ -159,7 +159,7 @@ def app(
     return deployment.bind(str(path), name, place, max_batch_size, batch_wait_ms, int(max_request_mb * _MIB))
 
 
-def model_name(path: str | os.PathLike, name: str | None = None) -> str:
+def _model_name(path: str | os.PathLike, name: str | None = None) -> str:
     """The model's name in URLs: ``name``, or the file's stem; checked to be URL-safe."""
     name = name or Path(path).stem
     protocol.check_model_name(name)
@@ -200,7 +200,7 @@ def run(
         path, name=name, place=place, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
         replicas=replicas, max_request_mb=max_request_mb,
     )
-    name = model_name(path, name)
+    name = _model_name(path, name)
     joined = bool(os.environ.get("RAY_ADDRESS"))
     ray.init(address=None if joined else "local")
     try:
