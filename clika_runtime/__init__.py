@@ -22,7 +22,8 @@ from clika_runtime.errors import (
     VerificationError,
 )
 from clika_runtime.graph import VERSION as __version__
-from clika_runtime.graph import ModelGraph, load
+from clika_runtime.graph import ModelGraph
+from clika_runtime.served import load
 from clika_runtime.specs import DynamicAxes, PlaceLike, TensorSpec
 
 if TYPE_CHECKING:

@@ -1,12 +1,16 @@
 """One capture: export the target from a call, open its session, verify it against eager.
 
-A ``Capture`` is immutable once built and serves calls whose key and shapes it matches.
+``build`` turns a ``CapturePlan`` and the eager result of its call into a ``Capture``, or raises
+``CaptureError`` saying why: any failure on the way (exporter, graph edits, onnxruntime, runner,
+verification) is a capture failure, so the caller always keeps the eager result it is owed.
+How a capture then serves calls (its hot-path closures) lives in ``hits.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
@@ -14,156 +18,192 @@ import torch
 import exporters
 import serving
 from clika_runtime import graph as graph_mod
-from clika_runtime import hits, treedesc, trees
+from clika_runtime import hints, hits, metadata, treedesc, trees
+from clika_runtime.calls import CallForms, original_slots
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError, VerificationError
-from clika_runtime.guards import ShapeGuard
+from clika_runtime.guards import Guard, InputRule, dtype_name, evaluate
+from clika_runtime.key import CallKey, Described
+from clika_runtime.planning import CapturePlan
 from clika_runtime.verify import first_mismatch
+from clika_runtime.weights import Baked, bake
 
 _SCALARS = {int: "int", float: "float", bool: "bool"}
 
 
+_monotonic = time.monotonic
+
+
+class Example(NamedTuple):
+    """What the guard reads of one input of the call a capture was made from."""
+
+    shape: tuple[int, ...] | None  # None: a lifted Python number (``value`` holds it)
+    dtype: Any
+    device: str
+    value: Any = None
+
+    @property
+    def is_cpu(self) -> bool:
+        """As ``torch.Tensor.is_cpu``."""
+        return self.device == "cpu"
+
+
 @dataclass
-class CaptureRequest:
-    """Everything a capture is made from, gathered by ``CompiledFunction`` on a miss."""
+class Stats:
+    """How a capture has been used. Written by hits without a lock: statistics only (a lost
+    increment under a race is harmless); they order evictions and name the current capture."""
 
-    target: Callable[..., Any]
-    owner: torch.nn.Module | None
-    leaves: list[Any]
-    spec: optree.PyTreeSpec  # of (args, kwargs), or of args alone when has_kwargs is False
-    has_kwargs: bool
-    feed_positions: list[int]
-    feed_names: list[str]
-    dynamic: list[dict[int, str | None]]
-    eager_out: Any
-    graph_name: str
-    output_names: Sequence[str] | None
-    output_dims: dict[str, dict[int, str | None]]
-    optimize: bool
-    place: serving.Place
-    key: tuple
-    lifted: frozenset[int] = field(default_factory=frozenset)
-    parameters: Sequence[str] = ()  # the target's positional parameter names, for loaded graphs
+    hits: int = 0
+    last_use: float = field(default_factory=time.monotonic)  # orders evictions: least recent first
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the capture
+
+    def touch(self) -> None:
+        """Count one served call."""
+        self.hits += 1
+        self.last_use = _monotonic()
 
 
+@dataclass(frozen=True, repr=False)
 class Capture:
-    """A verified graph for one cache key, with the guard that says which shapes it may serve."""
+    """A verified graph for one cache key, the guard saying which calls it may serve, and the
+    closures that serve them (``run``: fed leaves -> output tree; ``flat``: the flat hit)."""
 
-    def __init__(
-        self, request: CaptureRequest, exported: exporters.ExportedGraph, runner: serving.TorchRunner,
-        out_spec: optree.PyTreeSpec, eager_leaves: list[Any], scalar_out: dict[int, type], keep: Any = None,
-    ) -> None:
-        self._keep = keep  # a temporary folder with the external data of a model past protobuf's limit
-        self.key = request.key
-        self.feed_names = list(request.feed_names)
-        self.dynamic = [dict(d) for d in request.dynamic]
-        self.model_proto = exported.model_proto
-        lifted = _lifted_feeds(request)
-        self.guard = ShapeGuard(
-            tuple(None if i in lifted else dims for i, dims in enumerate(exported.input_dims)),
-            tuple((name, lo, hi) for name, (lo, hi) in exported.dim_ranges.items() if lo > 0 or hi is not None),
-            tuple((i, lo, hi) for i, (lo, hi) in exported.number_ranges.items()),
-            tuple(exported.conditions),
-        )
-        self._runner = runner
-        self._out_spec = out_spec
-        self._lift = sorted(lifted)
-        graph_leaves = exported.graph_leaves
-        template: list[Any] = [None] * len(eager_leaves)
-        for pos, value in exported.constants.items():
-            template[pos] = value
-        self._template = template
-        self._slots = [(pos, scalar_out.get(pos)) for pos in graph_leaves]
-        direct = not exported.constants and not scalar_out and not self._lift
-        # run(feeds) -> the output tree; the common case (every output leaf a tensor the graph
-        # computes, no lifted numbers) is one closure over the runner, and has a flat hit.
-        self.run: Callable[[Sequence[Any]], Any] = self._run
-        self.flat_hit: hits.FlatHit | None = None
-        if direct:
-            leaf = out_spec.is_leaf()
-            finish = None if leaf else trees.rebuilder(out_spec, eager_leaves)
-            self.run = _direct_run(runner.run, finish)
-            serve = runner.server(hits.shapes_for(self.guard), first=leaf)
-            self.flat_hit = hits.flat_hit(self.key, request.feed_positions, request.owner, self.guard, serve, finish)
+    key: CallKey
+    described: Described
+    names: tuple[str, ...]
+    positions: tuple[int, ...]  # canonical leaf positions of the fed leaves
+    dynamic: tuple[dict[int, str | None], ...]
+    guard: Guard
+    example: tuple[Example, ...]
+    baked: tuple[Baked, ...]
+    model_proto: Any  # onnx.ModelProto, for take_graph() / graphs()
+    output_names: tuple[str, ...]
+    parts: hits.Parts
+    stats: Stats
+    run: Callable[[Sequence[Any]], Any]
+    flat: Callable[[tuple], Any] | None
+    keep: Any = None  # a temporary folder holding external data the session reads, if any
 
-    def _run(self, feeds: Sequence[Any]) -> Any:
-        if self._lift:
-            feeds = list(feeds)
-            for i in self._lift:
-                feeds[i] = torch.tensor(feeds[i])
-        return self._out_spec.unflatten(self._leaves(self._runner.run(feeds)))
+    def __repr__(self) -> str:
+        return f"<Capture {', '.join(map(str, self.guard.inputs))}>"
 
-    def _leaves(self, outs: Sequence[Any]) -> list[Any]:
-        leaves = list(self._template)
-        for (pos, scalar), value in zip(self._slots, outs):
-            leaves[pos] = scalar(value.item()) if scalar is not None else value
-        return leaves
+    def graph(self) -> graph_mod.ModelGraph:
+        """The capture's graph to hand out: a copy, carrying the guard as it stands now (with
+        the sizes 0/1 verified since the capture)."""
+        graph = graph_mod.ModelGraph.copy_of(self.model_proto)
+        metadata.attach(graph.model_proto, {metadata.META_GUARD: self.guard.to_json()})
+        return graph
+
+    def verified_at(self, feeds: Sequence[Any]) -> "Capture":
+        """This capture, also serving the sizes 0/1 of ``feeds`` (checked against eager by the caller)."""
+        guard = self.guard.with_special(feeds)
+        run, flat = hits.closures(self.parts, guard, self.key, self.positions, self.stats)
+        return replace(self, guard=guard, run=run, flat=flat)
 
 
-def _direct_run(run: Callable[[Sequence[Any]], list[Any]], rebuild: Callable | None) -> Callable:
-    if rebuild is None:  # one tensor out, the most common case: no tree to rebuild
-        return lambda feeds: run(feeds)[0]
-    return lambda feeds: rebuild(run(feeds))
-
-
-def _lifted_feeds(request: CaptureRequest) -> set[int]:
-    return {i for i, pos in enumerate(request.feed_positions) if pos in request.lifted}
-
-
-def build(request: CaptureRequest) -> Capture:
+def build(
+    plan: CapturePlan, eager_out: Any, *, target: Callable[..., Any], forms: CallForms, owner: torch.nn.Module | None,
+    output_names: Sequence[str] | None, output_axes: dict[str, dict[int, str | None]], graph_name: str,
+    optimize: bool, place: serving.Place, parameters: Sequence[str],
+) -> Capture:
     """Export, open a session and verify. Raises ``CaptureError`` (``VerificationError``) with why."""
-    eager_leaves, out_spec = trees.flatten(request.eager_out)
-    for pos, leaf in enumerate(eager_leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.dtype not in exporters.dtypes.TORCH_TO_ONNX:
-            raise CaptureError(f"output {pos}: dtype {leaf.dtype} has no ONNX type")
-    names = _output_names(request, eager_leaves)
-    exported = _export(request, names, eager_leaves)
-    opaque_axes = {(i, a) for i, a in exported.opaque if a is not None}
-    if opaque_axes:  # branches on sizes we cannot re-check: export those axes static instead
-        request.dynamic = [{a: n for a, n in d.items() if (i, a) not in opaque_axes} for i, d in enumerate(request.dynamic)]
-        exported = _export(request, names, eager_leaves)
-    unliftable = set(exported.specialized) | {i for i, a in exported.opaque if a is None}
-    baked = [request.feed_names[i] for i in sorted(unliftable) if i in _lifted_feeds(request)]
-    if baked:
-        raise CaptureError(f"the exporter specialised number input(s) {baked} to their example values")
-    if not exported.graph_leaves:
-        raise CaptureError("the function returns no tensor: there is nothing for a graph to compute")
-    scalar_out = {
-        pos: type(eager_leaves[pos]) for pos in exported.graph_leaves if type(eager_leaves[pos]) in _SCALARS
-    }
-    _attach_metadata(request, exported, out_spec, eager_leaves, scalar_out)
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            return _build(plan, eager_out, target, forms, owner, output_names, output_axes, graph_name, optimize,
+                          place, parameters)
+    except CaptureError:
+        raise
+    except Exception as e:  # anything else on the way is a capture failure too, never a lost call
+        raise CaptureError(f"{type(e).__name__} while capturing: {hints.first_line(e)}") from e
+
+
+def _build(
+    plan: CapturePlan, eager_out: Any, target: Callable[..., Any], forms: CallForms, owner: torch.nn.Module | None,
+    output_names: Sequence[str] | None, output_axes: dict, graph_name: str, optimize: bool, place: serving.Place,
+    parameters: Sequence[str],
+) -> Capture:
+    phases: dict[str, float] = {}
+    call = plan.call
+    eager_leaves, out_spec = trees.flatten(eager_out)
+    hints.check_outputs(eager_leaves)
+    names = _output_names(eager_out, eager_leaves, output_names)
+    trace = _tracer(plan, target, forms)
+    started = time.perf_counter()
+    exported = _export(plan, trace, names, eager_leaves, graph_name, output_axes, optimize, owner)
+    phases["export"] = time.perf_counter() - started
+    feeds = list(call.feeds)
+    guard = _guard(plan, exported, feeds, place)
+    scalar_out = {pos: type(eager_leaves[pos]) for pos in exported.graph_leaves if type(eager_leaves[pos]) in _SCALARS}
+    _attach_metadata(plan, exported, out_spec, eager_leaves, scalar_out, guard, parameters)
     graph_outputs = [names[pos] for pos in exported.graph_leaves]
+    started = time.perf_counter()
     source, folder = graph_mod.session_source(exported.model_proto)
     try:
         session = serving.open_session(
-            source, request.place,
-            optimize=request.optimize, intra_op_threads=config.intra_op_threads or torch.get_num_threads(),
+            source, place, optimize=optimize, intra_op_threads=config.intra_op_threads or torch.get_num_threads()
         )
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
-        raise CaptureError(f"onnxruntime could not load the exported graph: {e}") from e
-    feeds = [request.leaves[p] for p in request.feed_positions]
+        raise CaptureError(f"onnxruntime could not load the exported graph: {hints.first_line(e)}") from e
     device = next((t.device for t in feeds if isinstance(t, torch.Tensor)), None)
     runner = serving.TorchRunner(
-        session, request.place, request.feed_names, graph_outputs,
+        session, place, call.names, graph_outputs,
         [t.dtype if isinstance(t, torch.Tensor) else torch.int64 for t in feeds]
         + [leaf.dtype for leaf in eager_leaves if isinstance(leaf, torch.Tensor)],
         input_device=device,
     )
-    capture = Capture(request, exported, runner, out_spec, eager_leaves, scalar_out, keep=folder)
-    _verify(capture, feeds, eager_leaves, names)
+    phases["session"] = time.perf_counter() - started
+    parts = hits.Parts(runner, out_spec, eager_leaves, exported.constants, exported.graph_leaves, scalar_out,
+                       tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner)
+    stats = Stats(phases=phases)
+    run, flat = hits.closures(parts, guard, call.key, call.positions, stats)
+    capture = Capture(
+        key=call.key, described=call.described, names=call.names, positions=call.positions,
+        dynamic=tuple(dict(d) for d in plan.dynamic), guard=guard, example=examples(feeds),
+        baked=tuple(bake(exported.state, exported.constants_read, owner, target)),
+        model_proto=exported.model_proto, output_names=tuple(graph_outputs), parts=parts, stats=stats,
+        run=run, flat=flat, keep=folder,
+    )
+    started = time.perf_counter()
+    _verify(capture, feeds, eager_leaves, names, eager_out)
+    phases["verify"] = time.perf_counter() - started
     return capture
 
 
-def _output_names(request: CaptureRequest, eager_leaves: list[Any]) -> list[str]:
-    defaults = trees.output_names(request.eager_out, eager_leaves)
-    if request.output_names is None:
+def examples(feeds: Sequence[Any]) -> tuple[Example, ...]:
+    """What the guard reads of each fed leaf, kept without the tensors themselves."""
+    return tuple(
+        Example(tuple(f.shape), f.dtype, str(f.device)) if isinstance(f, torch.Tensor) else Example(None, type(f), "cpu", f)
+        for f in feeds
+    )
+
+
+def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> Callable[..., list[Any]]:
+    """The target as a function of the fed leaves, called exactly as the user called it."""
+    call = plan.call
+    structure, slots = original_slots(forms, call.args, call.kwargs)
+    original = trees.flatten((call.args, call.kwargs))[0]
+    into = [slots[p] for p in call.positions]
+
+    def flat(*feeds: Any) -> list[Any]:
+        leaves = list(original)
+        for index, value in zip(into, feeds):
+            if index is not None:
+                leaves[index] = value
+        args, kwargs = structure.unflatten(leaves)
+        return trees.flatten(target(*args, **kwargs))[0]
+
+    return flat
+
+
+def _output_names(eager_out: Any, eager_leaves: list[Any], given: Sequence[str] | None) -> list[str]:
+    defaults = trees.output_names(eager_out, eager_leaves)
+    if given is None:
         return defaults
     computed = [i for i, leaf in enumerate(eager_leaves) if isinstance(leaf, (torch.Tensor, int, float))]
-    given = list(request.output_names)
     if len(given) != len(computed):
         raise CaptureError(
             f"output_names: expected {len(computed)} names (one per computed output leaf: "
-            f"{[defaults[i] for i in computed]}), got {len(given)}: {given}"
+            f"{[defaults[i] for i in computed]}), got {len(given)}: {list(given)}"
         )
     names = list(defaults)
     for i, name in zip(computed, given):
@@ -171,70 +211,87 @@ def _output_names(request: CaptureRequest, eager_leaves: list[Any]) -> list[str]
     return trees.unique(names)
 
 
-def _export(request: CaptureRequest, names: list[str], eager_leaves: list[Any]) -> exporters.ExportedGraph:
-    template = list(request.leaves)
-    positions = request.feed_positions
-    target = request.target
+def _export(
+    plan: CapturePlan, trace: Callable[..., list[Any]], names: list[str], eager_leaves: list[Any], graph_name: str,
+    output_axes: dict, optimize: bool, owner: torch.nn.Module | None,
+) -> exporters.ExportedGraph:
+    call = plan.call
+    dynamic = [dict(d) for d in plan.dynamic]
 
-    def flat(*feeds: Any) -> list[Any]:
-        leaves = list(template)
-        for pos, value in zip(positions, feeds):
-            leaves[pos] = value
-        args, kwargs = _call_tree(request, leaves)
-        return trees.flatten(target(*args, **kwargs))[0]
+    def export() -> exporters.ExportedGraph:
+        try:
+            return exporters.export_graph(
+                trace, list(call.feeds), input_names=list(call.names), output_names=names,
+                output_dtypes=[leaf.dtype if isinstance(leaf, torch.Tensor) else None for leaf in eager_leaves],
+                dynamic=dynamic, graph_name=graph_name, output_dims=output_axes, optimize=optimize, owner=owner,
+            )
+        except RuntimeError as e:
+            raise CaptureError(f"the exporter failed: {hints.exporter_failure(e)}") from e
 
-    examples = [request.leaves[p] for p in positions]
-    try:
-        return exporters.export_graph(
-            flat,
-            examples,
-            input_names=request.feed_names,
-            output_names=names,
-            output_dtypes=[leaf.dtype if isinstance(leaf, torch.Tensor) else None for leaf in eager_leaves],
-            dynamic=request.dynamic,
-            graph_name=request.graph_name,
-            output_dims=request.output_dims,
-            optimize=request.optimize,
-            owner=request.owner,
-        )
-    except RuntimeError as e:
-        raise CaptureError(f"the exporter failed: {e}") from e
-
-
-def _call_tree(request: CaptureRequest, leaves: list[Any]) -> tuple[tuple, dict]:
-    tree = request.spec.unflatten(leaves)
-    return tree if request.has_kwargs else (tree, {})
+    exported = export()
+    opaque = {(i, a) for i, a in exported.opaque if a is not None}
+    if opaque:  # branches on sizes the guard cannot re-check: export those axes static instead
+        dynamic = [{a: n for a, n in d.items() if (i, a) not in opaque} for i, d in enumerate(dynamic)]
+        exported = export()
+    lifted = {i for i, p in enumerate(call.positions) if p in call.lifted}
+    unliftable = set(exported.specialized) | {i for i, a in exported.opaque if a is None}
+    baked = [call.names[i] for i in sorted(unliftable & lifted)]
+    if baked:
+        raise CaptureError(f"the exporter specialised number input(s) {baked} to their example values")
+    if not exported.graph_leaves:
+        raise CaptureError("the function returns no tensor: there is nothing for a graph to compute")
+    return exported
 
 
-def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: list[str]) -> None:
+def _guard(plan: CapturePlan, exported: exporters.ExportedGraph, feeds: list[Any], place: serving.Place) -> Guard:
+    """The guard of a new graph, checked against the call it was made from."""
+    call = plan.call
+    rules = []
+    for i, (name, value, dims) in enumerate(zip(call.names, feeds, exported.input_dims)):
+        if isinstance(value, torch.Tensor):
+            rules.append(InputRule(name, dtype_name(value.dtype), tuple(dims)))
+        else:
+            rules.append(InputRule(name, "int64", None, exported.number_ranges.get(i, (None, None))))
+    ranges = tuple((n, lo, hi) for n, (lo, hi) in exported.dim_ranges.items() if lo > 0 or hi is not None)
+    conditions = tuple((tree, evaluate(tree, feeds)) for tree in exported.conditions)
+    device = next((str(t.device) for t in feeds if isinstance(t, torch.Tensor)), "cpu")
+    guard = Guard(tuple(rules), ranges, conditions, device=device, verify_small=True).with_special(feeds)
+    problem = guard.check(feeds)
+    if problem is not None:  # the exporter's contract does not even hold for its own example
+        raise CaptureError(f"the exported graph's shapes do not fit the inputs it was exported from: {problem}")
+    return guard
+
+
+def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: list[str], eager_out: Any) -> None:
     try:
         served = capture.run(feeds)
     except Exception as e:  # onnxruntime failed on the very inputs the graph was exported from
-        raise VerificationError(f"the graph failed on the capturing call's inputs: {e}") from e
+        raise VerificationError(f"the graph failed on the capturing call's inputs: {hints.first_line(e)}") from e
     # The tree is rebuilt from the eager structure by construction; leaves are what can differ.
     problem = first_mismatch(names, eager_leaves, trees.flatten(served)[0])
     if problem:
-        raise VerificationError(f"the graph disagrees with eager: {problem}")
+        raise VerificationError(f"the graph disagrees with eager: {problem}{hints.disagreement(eager_out, capture)}")
 
 
 def _attach_metadata(
-    request: CaptureRequest, exported: exporters.ExportedGraph, out_spec: optree.PyTreeSpec,
-    eager_leaves: list[Any], scalar_out: dict[int, type],
+    plan: CapturePlan, exported: exporters.ExportedGraph, out_spec: optree.PyTreeSpec, eager_leaves: list[Any],
+    scalar_out: dict[int, type], guard: Guard, parameters: Sequence[str],
 ) -> None:
-    feeds = set(request.feed_positions)
-    in_leaves = {p: treedesc.static_leaf(v) for p, v in enumerate(request.leaves) if p not in feeds}
-    out_leaves: dict[int, dict[str, Any]] = {
-        pos: treedesc.static_leaf(value) for pos, value in exported.constants.items()
-    }
+    call = plan.call
+    fed = set(call.positions)
+    in_leaves = {p: treedesc.static_leaf(v) for p, v in enumerate(call.leaves) if p not in fed}
+    out_leaves: dict[int, dict[str, Any]] = {pos: treedesc.static_leaf(v) for pos, v in exported.constants.items()}
     for pos, kind in scalar_out.items():
         out_leaves[pos] = {"kind": "scalar", "type": _SCALARS[kind]}
-    graph_mod.attach_metadata(
+    metadata.attach(
         exported.model_proto,
         {
-            graph_mod.META_VERSION: graph_mod.VERSION,
-            graph_mod.META_INPUTS: treedesc.describe(trees.flatten(_call_tree(request, request.leaves))[1], in_leaves),
-            graph_mod.META_OUTPUTS: treedesc.describe(out_spec, out_leaves),
-            graph_mod.META_DIMS: {n: list(d) for n, d in zip(request.feed_names, exported.input_dims)},
-            graph_mod.META_PARAMETERS: list(request.parameters),
+            metadata.META_SCHEMA: str(metadata.SCHEMA),
+            metadata.META_VERSION: graph_mod.VERSION,
+            metadata.META_INPUTS: treedesc.describe(call.structure, in_leaves),
+            metadata.META_OUTPUTS: treedesc.describe(out_spec, out_leaves),
+            metadata.META_DIMS: {n: list(d) for n, d in zip(call.names, exported.input_dims)},
+            metadata.META_PARAMETERS: list(parameters),
+            metadata.META_GUARD: guard.to_json(),
         },
     )

@@ -1,64 +1,124 @@
-"""The flat hit: ``f(x, None, mask)``, every argument a plain tensor or a simple constant.
+"""How a capture serves a call: the closures of the hot path.
 
-Most served calls pass a few tensors, positionally or by keyword (``CallForms`` moves keywords to
-their positions first). For those, the general hit path's work (optree flatten, the key tuple,
-its hash, the dict lookup, the guard) reduces to comparing each argument with what the current
-capture recorded: a constant's type and value, a tensor's exact type and autograd flag, the
-training flag, and the guard when some axes are dynamic. The tensors' dtype, device and shape are
-checked by the runner's checked run (``serving.TorchRunner.server``) where it binds them, not
-here as well. This module builds the check once per capture, as a closure over
-plain data; a call it does not accept takes the general path, which decides exactly as before, so
-the flat hit changes speed, never behaviour.
+``closures`` makes two per capture, over plain data (never over the capture itself, so a dropped
+capture and its session are freed as soon as the last call using them returns):
+
+- ``run(feeds)``: the fed leaves -> the output tree, for a call the caller has matched;
+- the flat hit, for calls whose canonical form is a tuple of plain tensors and simple constants
+  (``f(x)``, ``f(ids, mask)``, ``f(x, None, "relu")``): it skips flatten, key and lookup and
+  compares each argument with the capture's key directly, then runs the guard and ``run``.
+
+``general`` is the hit for every other call: flatten, key, lookup, guard. Each decides exactly
+what the miss path would decide for a call it serves; whatever they decline goes to the miss path.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import optree
 import torch
 
+import serving
 from clika_runtime import trees
-from clika_runtime.guards import ShapeGuard
+from clika_runtime.guards import Guard
+from clika_runtime.key import CallKey, Unkeyable, split
 
-MISS = object()  # what a flat hit returns for a call it does not serve
+if TYPE_CHECKING:
+    from clika_runtime.capture import Stats
+    from clika_runtime.table import CacheTable
 
-FlatHit = Callable[[tuple], Any]
-
+MISS = object()  # what a hit returns for a call it does not serve
+_NO_LIFT: frozenset[int] = frozenset()
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
 # Constants the flat hit compares with ``type(a) is kind and a == value``. Floats are left to the
 # general path (NaN and -0.0 need its care), and so are lifted numbers (they feed the graph).
 _CONSTANTS = (type(None), bool, int, str)
 
 
-def flat_hit(
-    key: tuple,
-    positions: Sequence[int],
-    owner: torch.nn.Module | None,
-    guard: ShapeGuard,
-    serve: Callable[..., Any],
-    finish: Callable[[Any], Any] | None,
-) -> FlatHit | None:
-    """The flat-call check and run for a capture, or ``None`` when its key is not a flat call.
+class RunFailed(Exception):
+    """A graph failed on inputs its guard accepted."""
 
-    ``key`` is the capture's cache key ``(spec, statics, metas, training)`` (``guards.key_parts``),
-    ``positions`` the argument positions of its fed tensors and ``guard`` its shape guard.
-    ``serve`` is the runner's checked run (``serving.TorchRunner.server``) made for the shapes
-    this returns in ``shapes_for(guard)``: it checks dtype, device and shape and returns ``None``
-    for tensors that do not fit. ``finish`` turns its result into the output tree (``None``: as is).
-    """
-    spec, statics, metas, training = key
-    count = len(positions) + len(statics)
-    if spec != _flat_spec(count):
+    def __init__(self, capture: Any, error: Exception) -> None:
+        super().__init__(str(error))
+        self.capture, self.error = capture, error
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a capture serves with: its runner and how to turn graph outputs into the output tree."""
+
+    runner: serving.TorchRunner
+    out_spec: optree.PyTreeSpec
+    eager_leaves: list[Any]  # the capturing call's output leaves: the template of every output
+    constants: dict[int, Any]  # output leaves baked at capture, by position
+    graph_leaves: list[int]  # output positions the graph computes
+    scalar_out: dict[int, type]  # of those, the Python numbers (sizes) returned as numbers
+    lift: tuple[int, ...]  # feed indices of lifted Python numbers (fed as int64 scalars)
+    owner: torch.nn.Module | None = None
+
+
+def closures(
+    parts: Parts, guard: Guard, key: CallKey, positions: Sequence[int], stats: "Stats"
+) -> tuple[Callable[[Sequence[Any]], Any], Callable[[tuple], Any] | None]:
+    """The capture's ``run`` and flat hit (``None`` when its key is not a flat call)."""
+    run = _run(parts, stats)
+    flat = _flat(key, positions, parts.owner, guard, run) if not parts.lift else None
+    return run, flat
+
+
+def _run(parts: Parts, stats: "Stats") -> Callable[[Sequence[Any]], Any]:
+    graph_run, touch = parts.runner.run, stats.touch
+    if not parts.constants and not parts.scalar_out and not parts.lift:
+        if parts.out_spec.is_leaf():  # one tensor out, the most common case: no tree to rebuild
+
+            def run_one(feeds: Sequence[Any]) -> Any:
+                touch()
+                return graph_run(feeds)[0]
+
+            return run_one
+        rebuild = trees.rebuilder(parts.out_spec, parts.eager_leaves)
+
+        def run_tree(feeds: Sequence[Any]) -> Any:
+            touch()
+            return rebuild(graph_run(feeds))
+
+        return run_tree
+    template = [None] * len(parts.eager_leaves)
+    for pos, value in parts.constants.items():
+        template[pos] = value
+    slots = [(pos, parts.scalar_out.get(pos)) for pos in parts.graph_leaves]
+    unflatten, lift = parts.out_spec.unflatten, parts.lift
+
+    def run(feeds: Sequence[Any]) -> Any:
+        touch()
+        if lift:
+            feeds = list(feeds)
+            for i in lift:
+                feeds[i] = torch.tensor(feeds[i])
+        leaves = list(template)
+        for (pos, scalar), value in zip(slots, graph_run(feeds)):
+            leaves[pos] = scalar(value.item()) if scalar is not None else value
+        return unflatten(leaves)
+
+    return run
+
+
+def _flat(
+    key: CallKey, positions: Sequence[int], owner: torch.nn.Module | None, guard: Guard,
+    run: Callable[[Sequence[Any]], Any],
+) -> Callable[[tuple], Any] | None:
+    """The flat hit of a capture whose canonical call is a tuple of tensors and simple constants."""
+    count = len(positions) + len(key.statics)
+    if key.structure != _flat_spec(count):
         return None  # containers, or keywords that name no positional parameter
-    if not all(isinstance(s, tuple) and s[0] in _CONSTANTS for s in statics):
+    if not all(type(s) is tuple and s[0] in _CONSTANTS for s in key.statics):
         return None
     fed = set(positions)
-    constants = [i for i in range(count) if i not in fed]
-    fixed = tuple((i, kind, value) for i, (kind, value) in zip(constants, statics))
-    matches = _guard_check(guard, [m[1] for m in metas])
-    tensor, picks = torch.Tensor, tuple(positions)
-    if not fixed and count == 1 and finish is None:
-        return _one_tensor_hit(owner, training, matches, serve)
+    fixed = tuple((i, kind, value) for i, (kind, value) in zip((i for i in range(count) if i not in fed), key.statics))
+    picks, training, check, tensor = tuple(positions), key.training, guard.check, torch.Tensor
 
     def hit(args: tuple) -> Any:
         if len(args) != count:
@@ -74,65 +134,37 @@ def flat_hit(
                 return MISS
         if owner is not None and owner.training is not training:
             return MISS
+        if check(feeds) is not None:
+            return MISS
         try:
-            if matches is not None and not matches(feeds):
-                return MISS
-            out = serve(*feeds)
+            return run(feeds)
         except Exception:  # the general path decides again and handles the failure (re-capture)
             return MISS
-        if out is None:  # a dtype, device or shape the graph was not made for
-            return MISS
-        return out if finish is None else finish(out)
 
     return hit
 
 
-def shapes_for(guard: ShapeGuard) -> tuple[tuple[int, ...] | None, ...]:
-    """The shapes a flat hit's ``serve`` checks: the guard's exact shapes, or ``None`` (rank only:
-    the guard then checks the sizes) for every input when any axis is dynamic."""
-    exact = guard.exact_shapes
-    return tuple(exact) if exact is not None else (None,) * len(guard.dims)
-
-
-def _guard_check(guard: ShapeGuard, ranks: Sequence[int]) -> Callable[[Sequence[Any]], bool] | None:
-    """The guard, for when shapes alone do not say it all (dynamic axes, ranges, conditions); ``None``
-    when the runner's checked run compares exact shapes. Ranks come first: the guard indexes axes."""
-    if guard.exact_shapes is not None:
-        return None
-    matches, ranks = guard.matches, tuple(ranks)
-
-    def check(feeds: Sequence[Any]) -> bool:
-        for a, rank in zip(feeds, ranks):
-            if a.ndim != rank:
-                return False
-        return matches(feeds)
-
-    return check
-
-
-def _one_tensor_hit(
-    owner: torch.nn.Module | None, training: bool | None, matches: Callable | None, serve: Callable[..., Any]
-) -> FlatHit:
-    """``f(x)`` returning one tensor, the most common call, without the general hit's loops."""
-    tensor = torch.Tensor
-
-    def hit(args: tuple) -> Any:
-        if len(args) != 1:
-            return MISS
-        (a,) = args
-        if type(a) is not tensor or a.requires_grad or (owner is not None and owner.training is not training):
-            return MISS
-        try:
-            if matches is not None and not matches(args):
-                return MISS
-            out = serve(a)
-        except Exception:  # the general path decides again and handles the failure (re-capture)
-            return MISS
-        return MISS if out is None else out
-
-    return hit
+def general(table: "CacheTable", args: tuple, kwargs: dict, with_shapes: bool, owner: torch.nn.Module | None) -> Any:
+    """The hit for any call: flatten, key, lookup, guard, run. ``MISS`` when no capture serves it;
+    raises ``RunFailed`` when a graph fails on inputs its guard accepted."""
+    leaves, spec = trees.flatten((args, kwargs))
+    lifted = table.knowledge.lifted.get(spec, _NO_LIFT) if table.knowledge.lifted else _NO_LIFT
+    try:
+        feeds, statics, metas, grad = split(leaves, lifted, with_shapes)
+        variants = table.entries.get(CallKey(spec, statics, metas, owner.training if owner is not None else None))
+    except (Unkeyable, TypeError):  # a static leaf that cannot key a capture: the miss path explains it
+        return MISS
+    if variants is None or (grad and _grad_enabled()):
+        return MISS
+    for capture in variants:  # almost always one; more when the trace branched on sizes
+        if capture.guard.check(feeds) is None:
+            try:
+                return capture.run(feeds)
+            except Exception as error:
+                raise RunFailed(capture, error) from error
+    return MISS
 
 
 def _flat_spec(count: int) -> optree.PyTreeSpec:
-    """The structure of a tuple of ``count`` leaves, as the hot path's flatten builds it."""
-    return trees.flatten((0,) * count)[1]
+    """The structure of a canonical call of ``count`` positional leaves and no keywords."""
+    return trees.flatten(((0,) * count, {}))[1]

@@ -1,12 +1,28 @@
 """Pytree descriptions: the JSON form of a captured call's and output's trees, stored in a shipped
 graph's metadata and rebuilt in pure Python, so a box without torch or optree serves the same trees.
+
+A description names classes (``"module:Qualname"``) but never decides what runs: rebuilding uses
+built-in containers, and classes the *caller* allows by name (node types this process registered
+with torch's pytree, and the ``output_types`` given to ``cr.load``). No module is imported and no
+other class is called; a class that is not allowed comes back as a plain tuple or dict, with one
+line on the ``clika_runtime`` logger.
 """
 
 from __future__ import annotations
 
-import importlib
+import logging
+import sys
 from collections import OrderedDict, deque
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Mapping
+
+logger = logging.getLogger("clika_runtime")
+
+MAX_DEPTH = 64
+MAX_NODES = 100_000
+_CONTAINERS = {"tuple", "list", "dict", "defaultdict", "ordereddict", "deque", "namedtuple", "structseq", "custom"}
+_LEAVES = {"leaf", "const", "static", "scalar", "none"}
+_SCALAR_TYPES = {"int": int, "float": float, "bool": bool}
+
 
 def describe(spec: Any, leaves: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """A JSON-able description of an optree ``PyTreeSpec``, enough to rebuild it without torch or optree.
@@ -23,12 +39,17 @@ def describe(spec: Any, leaves: dict[int, dict[str, Any]] | None = None) -> dict
         cls = node.type
         return {
             "kind": node.kind.name.lower(),
-            "type": f"{cls.__module__}:{cls.__qualname__}" if cls is not None else "builtins:NoneType",
+            "type": type_name(cls) if cls is not None else "builtins:NoneType",
             "keys": [e if isinstance(e, (str, int)) else str(e) for e in node.entries()],
             "children": [walk(child) for child in node.children()],
         }
 
     return walk(spec)
+
+
+def type_name(cls: type) -> str:
+    """How descriptions name a class: ``"module:Qualname"``."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def static_leaf(value: Any) -> dict[str, Any]:
@@ -38,29 +59,78 @@ def static_leaf(value: Any) -> dict[str, Any]:
     return {"kind": "static", "repr": repr(value)}
 
 
-def _import(qualified: str) -> type | None:
-    module, _, name = qualified.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        return obj if isinstance(obj, type) else None
-    except Exception:  # the class is not importable here: rebuild as a plain container
-        return None
+def validated(description: Any) -> dict[str, Any]:
+    """``description`` checked node by node (known kinds, well-formed fields, bounded depth and
+    size), or ``ValueError`` naming the path of the first problem."""
+    count = [0]
+
+    def check(node: Any, path: str, depth: int) -> None:
+        count[0] += 1
+        if depth > MAX_DEPTH or count[0] > MAX_NODES:
+            raise ValueError(f"tree description at {path}: deeper than {MAX_DEPTH} or larger than {MAX_NODES} nodes")
+        if not isinstance(node, dict) or not isinstance(node.get("kind"), str):
+            raise ValueError(f"tree description at {path}: expected a node with a kind")
+        kind = node["kind"]
+        if kind in _LEAVES:
+            _check_leaf(node, path)
+            return
+        if kind not in _CONTAINERS:
+            raise ValueError(f"tree description at {path}: unknown kind {kind[:30]!r}")
+        keys, children = node.get("keys"), node.get("children")
+        if not isinstance(keys, list) or not isinstance(children, list) or len(keys) != len(children):
+            raise ValueError(f"tree description at {path}: keys and children must be lists of one length")
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
+            raise ValueError(f"tree description at {path}: keys must be strings or ints")
+        if not isinstance(node.get("type", ""), str):
+            raise ValueError(f"tree description at {path}: type must be a string")
+        for key, child in zip(keys, children):
+            check(child, f"{path}[{key!r}]", depth + 1)
+
+    check(description, "root", 0)
+    return description
 
 
-def rebuild(description: dict[str, Any], leaves: Iterator[Any]) -> Any:
-    """Rebuild a described tree from leaves in flattening order (classes imported when possible)."""
+def _check_leaf(node: Mapping[str, Any], path: str) -> None:
+    kind = node["kind"]
+    if kind == "scalar" and node.get("type") not in _SCALAR_TYPES:
+        raise ValueError(f"tree description at {path}: unknown scalar type {str(node.get('type'))[:30]!r}")
+    if kind == "const" and not (node.get("value") is None or isinstance(node.get("value"), (bool, int, float, str))):
+        raise ValueError(f"tree description at {path}: a constant must be null, a bool, a number or a string")
+    if kind == "static" and not isinstance(node.get("repr"), str):
+        raise ValueError(f"tree description at {path}: a static value needs its repr")
+
+
+def allowed_types(extra: Iterable[type] = ()) -> dict[str, type]:
+    """Classes an output tree may be rebuilt with, by description name: node types this process
+    registered with torch's pytree (if torch is imported; it is never imported here), and ``extra``."""
+    allowed: dict[str, type] = {}
+    pytree = sys.modules.get("torch.utils._pytree")
+    if pytree is not None:
+        for cls in list(getattr(pytree, "SUPPORTED_NODES", {})):
+            if isinstance(cls, type):
+                allowed[type_name(cls)] = cls
+    for cls in extra:
+        if not isinstance(cls, type):
+            raise TypeError(f"output_types: expected classes, got {cls!r}")
+        allowed[type_name(cls)] = cls
+    return allowed
+
+
+def rebuild(description: dict[str, Any], leaves: Iterator[Any], types: Mapping[str, type]) -> Any:
+    """Rebuild a validated tree from leaves in flattening order; only classes in ``types`` are
+    called (with the description's keys), others come back as tuples or dicts."""
     kind = description["kind"]
     if kind == "leaf":
         return next(leaves)
     if kind == "scalar":  # a Python number the graph computes (a size), returned as one
-        return {"int": int, "float": float, "bool": bool}[description["type"]](next(leaves).item())
+        return _SCALAR_TYPES[description["type"]](next(leaves).item())
     if kind == "const":
         return description["value"]
     if kind == "none":
         return None
-    children = [rebuild(child, leaves) for child in description["children"]]
+    if kind == "static":  # an output constant JSON cannot hold: its repr is all the file has
+        return description["repr"]
+    children = [rebuild(child, leaves, types) for child in description["children"]]
     keys = description["keys"]
     if kind == "tuple":
         return tuple(children)
@@ -72,15 +142,21 @@ def rebuild(description: dict[str, Any], leaves: Iterator[Any]) -> Any:
         return dict(zip(keys, children))
     if kind == "ordereddict":
         return OrderedDict(zip(keys, children))
-    cls = _import(description["type"])
-    if kind in ("namedtuple", "structseq"):
-        return cls(children) if kind == "structseq" and cls else (cls(*children) if cls else tuple(children))
-    if cls is not None:
-        try:
-            return cls(**dict(zip(keys, children)))
-        except Exception:  # a custom node whose constructor takes other arguments
-            pass
-    return dict(zip(map(str, keys), children))
+    return _node(description, kind, keys, children, types)
+
+
+def _node(description: Mapping[str, Any], kind: str, keys: list, children: list, types: Mapping[str, type]) -> Any:
+    name = description.get("type", "")
+    cls = types.get(name)
+    if cls is None:
+        logger.info("output node %s is not a registered pytree node nor in output_types: rebuilt as a %s",
+                    name[:80], "tuple" if kind in ("namedtuple", "structseq") else "dict")
+        return tuple(children) if kind in ("namedtuple", "structseq") else dict(zip(map(str, keys), children))
+    if kind == "structseq":
+        return cls(children)
+    if kind == "namedtuple":
+        return cls(*children)
+    return cls(**dict(zip(map(str, keys), children)))
 
 
 def flatten_described(description: dict[str, Any], tree: Any, path: str = "") -> Iterator[tuple[str, Any, dict]]:

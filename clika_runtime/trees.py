@@ -17,7 +17,23 @@ from typing import Any, Callable, Sequence
 import optree
 
 NAMESPACE = "clika_runtime"
-optree._C.set_dict_insertion_ordered(True, NAMESPACE)
+
+
+def keep_insertion_order(namespace: str) -> None:
+    """Make dicts flatten in insertion order in ``namespace``, as torch's pytree does.
+
+    optree's public switch is a context manager (``dict_insertion_ordered``); the setting it
+    wraps (``optree._C.set_dict_insertion_ordered``) is what we need for the whole process. Where
+    that private call is gone, the public context manager is entered once and never left.
+    """
+    setter = getattr(getattr(optree, "_C", None), "set_dict_insertion_ordered", None)
+    if setter is not None:
+        setter(True, namespace)
+    else:
+        optree.dict_insertion_ordered(True, namespace=namespace).__enter__()
+
+
+keep_insertion_order(NAMESPACE)
 
 _NATIVE = (tuple, list, dict, OrderedDict, defaultdict, deque, type(None))
 _mirrored: set[type] = set()

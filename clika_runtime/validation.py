@@ -16,7 +16,7 @@ import numpy as np
 
 import serving
 from clika_runtime.errors import GraphFileError, PlaceError
-from clika_runtime.graph import ONNX_TYPE_NAMES
+from serving import DTYPE_NAMES as ONNX_TYPE_NAMES
 
 DEFAULT_SIZES = (1, 3, 8)
 

@@ -4,10 +4,11 @@ torch.export evaluates Python branches on sizes (``if x.shape[0] == 4:``) at tra
 dynamic dims, may leave no runtime check behind: the exported program only holds the dead
 comparison nodes. A graph served for sizes that flip such a comparison would take the wrong
 branch silently. These helpers turn each dead comparison into data: an expression tree over input
-sizes and lifted numbers, and the value it had at capture. The serving side re-evaluates them.
+sizes and lifted numbers. The caller records each tree's value at capture and re-evaluates it.
 
 Tree nodes: ``("size", input, axis)``, ``("num", input)``, ``("const", value)``,
-``(op, child, ...)`` with ``op`` one of ``OPS``.
+``(op, child, ...)`` with ``op`` one of the names in ``OP_NAMES`` (what each means, and how it is
+evaluated and rendered, is defined by the consumer of the trees: clika_runtime's guard).
 """
 
 from __future__ import annotations
@@ -17,35 +18,18 @@ from typing import Any, Sequence
 
 import torch
 
-OPS = {
-    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
-    "ge": operator.ge, "add": operator.add, "sub": operator.sub, "mul": operator.mul,
-    "floordiv": operator.floordiv, "mod": operator.mod, "neg": operator.neg, "not": operator.not_,
-    "and": operator.and_, "or": operator.or_, "max": max, "min": min,
-}
 _TARGETS = {
     operator.eq: "eq", operator.ne: "ne", operator.lt: "lt", operator.le: "le", operator.gt: "gt",
     operator.ge: "ge", operator.add: "add", operator.sub: "sub", operator.mul: "mul",
     operator.floordiv: "floordiv", operator.mod: "mod", operator.neg: "neg", torch.sym_not: "not",
     operator.and_: "and", operator.or_: "or", torch.sym_max: "max", torch.sym_min: "min",
 }
+OP_NAMES = frozenset(_TARGETS.values())
 _COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge", "not", "and", "or"}
 
 
 class Opaque(Exception):
-    """A condition built from an operation this module does not evaluate."""
-
-
-def evaluate(tree: tuple, sizes: Any) -> Any:
-    """Value of a tree for ``sizes(input, axis)`` / numbers via ``sizes(input, None)``."""
-    kind = tree[0]
-    if kind == "size":
-        return sizes(tree[1], tree[2])
-    if kind == "num":
-        return sizes(tree[1], None)
-    if kind == "const":
-        return tree[1]
-    return OPS[kind](*(evaluate(child, sizes) for child in tree[1:]))
+    """A condition built from an operation outside ``OP_NAMES``."""
 
 
 def leaves_of(tree: tuple) -> set[tuple[int, int | None]]:
@@ -63,7 +47,7 @@ def dead_conditions(program: Any) -> tuple[list[tuple], set[tuple[int, int | Non
     """Trees of the dead comparisons in an exported program, and the inputs of any it cannot express.
 
     Returns ``(trees, opaque)``: ``opaque`` holds (input, axis) pairs read by conditions that use
-    operations outside ``OPS``; the caller must keep those static.
+    operations outside ``OP_NAMES``; the caller must keep those static.
     """
     user = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     index = {name: i for i, name in enumerate(user)}

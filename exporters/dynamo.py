@@ -8,6 +8,7 @@ import inspect
 import io
 import logging
 import math
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -22,6 +23,9 @@ from exporters import graph_edits
 from exporters.dtypes import onnx_dtype
 
 _GRAPH_SCALARS = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+# torch.export keeps process-wide tracing state: two exports at once (two threads capturing
+# different keys) corrupt each other, so exports take turns.
+_EXPORTING = threading.Lock()
 
 
 @dataclass
@@ -38,11 +42,15 @@ class ExportedGraph:
             the graph takes as inputs.
         specialized: indices of Python-number inputs the exporter baked in (a constant in the
             graph despite being an input): serving those from the graph would be wrong.
-        conditions: size conditions the trace branched on that the graph does not check, each as
-            (tree, value at capture) (see ``exporters.conditions``); only those that read a
-            dynamic size or a lifted number.
+        conditions: size conditions the trace branched on that the graph does not check, as
+            trees (see ``exporters.conditions``); only those that read a dynamic size or a
+            lifted number.
         opaque: dynamic (input, axis) pairs (axis ``None``: a lifted number) read by conditions
             that cannot be expressed as trees: they must be exported static.
+        state: the owner's parameters and buffers the graph holds, by their name in the owner
+            (the live tensor objects, not copies).
+        constants_read: other tensors the trace read and the graph holds (closed-over tensors,
+            plain tensor attributes), by the exporter's name for them (the live objects).
     """
 
     model_proto: onnx.ModelProto
@@ -52,8 +60,10 @@ class ExportedGraph:
     dim_ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     number_ranges: dict[int, tuple[int, int | None]] = field(default_factory=dict)
     specialized: list[int] = field(default_factory=list)
-    conditions: list[tuple[tuple, Any]] = field(default_factory=list)
+    conditions: list[tuple] = field(default_factory=list)
     opaque: set[tuple[int, int | None]] = field(default_factory=set)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    constants_read: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class _Flat(torch.nn.Module):
@@ -178,7 +188,7 @@ def export_graph(
     """
     flat = _Flat(fn, owner)
     try:
-        with _quiet():
+        with _EXPORTING, _quiet():
             program = _onnx_program(
                 flat, tuple(examples), list(input_names), _dynamic_shapes(examples, dynamic) if examples else None, optimize
             )
@@ -208,14 +218,19 @@ def export_graph(
         graph_leaves=list(graph_leaves),
         constants=dict(constants),
         dim_ranges=_ranges(program.exported_program, renames),
-        conditions=[(t, conds.evaluate(t, _example_sizes(examples))) for t in conds.relevant(trees, dynamic_reads)],
+        conditions=conds.relevant(trees, dynamic_reads),
         opaque=opaque & dynamic_reads,
+        state=_owned(program.exported_program.state_dict),
+        constants_read=_owned(program.exported_program.constants),
         **numbers,
     )
 
 
-def _example_sizes(examples: Sequence[Any]) -> Callable[[int, int | None], Any]:
-    return lambda i, axis: examples[i] if axis is None else examples[i].shape[axis]
+def _owned(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The exporter's tensors by their name in the owner module (it registers it as ``owner``)."""
+    return {
+        name.removeprefix("owner."): value for name, value in tensors.items() if isinstance(value, torch.Tensor)
+    }
 
 
 def _leaf_dtype(dtype: torch.dtype | None) -> ir.DataType:

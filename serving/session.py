@@ -24,13 +24,17 @@ def session_options(optimize: bool, intra_op_threads: int | None) -> ort.Session
     return options
 
 
+class ProviderMissing(RuntimeError):
+    """onnxruntime opened the session without the requested provider (it fell back silently)."""
+
+
 def open_session(
     model: bytes | str, place: Place, *, optimize: bool = True, intra_op_threads: int | None = None
 ) -> ort.InferenceSession:
     """An ``InferenceSession`` for a serialized model (or a path) on ``place``.
 
-    Raises ``RuntimeError`` when onnxruntime silently dropped the requested provider: a graph is
-    never served on CPU when the user asked for a GPU.
+    Raises ``ProviderMissing`` when onnxruntime silently dropped the requested provider: a graph
+    is never served on CPU when the user asked for a GPU.
     """
     session = ort.InferenceSession(
         model,
@@ -39,7 +43,7 @@ def open_session(
     )
     got = session.get_providers()
     if place.primary not in got:
-        raise RuntimeError(f"onnxruntime did not start {place.primary} (session runs on {', '.join(got)})")
+        raise ProviderMissing(f"onnxruntime did not start {place.primary} (session runs on {', '.join(got)})")
     return session
 
 

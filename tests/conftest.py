@@ -41,6 +41,16 @@ def _restore_config():
     cr.config.cache_size, cr.config.recapture_limit, cr.config.tolerances, cr.config.intra_op_threads = saved
 
 
+def current(f):
+    """The capture a compiled function most recently created or served (test introspection)."""
+    return f._lifecycle.table.current()
+
+
+def flat_hit(f):
+    """The flat hit the function's table holds (None when calls take the general path)."""
+    return f._lifecycle.table.flat
+
+
 def eager_and_served(f, *args, **kwargs):
     """Call a compiled function; return its result and the eager result of its target."""
     with torch.no_grad():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import clika_runtime as cr
-from conftest import Counted
+from conftest import Counted, current, flat_hit
 
 State = cr.CompiledFunction.State
 
@@ -32,8 +32,8 @@ def affine():
 
 def test_small_static_graphs_take_the_reused_binding_and_the_flat_hit(affine):
     f, _ = affine
-    assert f._current._runner.path == "reused binding"
-    assert f._flat_hit is not None
+    assert current(f).parts.runner.path == "reused binding"
+    assert flat_hit(f) is not None
 
 
 def test_every_call_returns_fresh_outputs(affine):
@@ -70,7 +70,7 @@ def test_inputs_are_read_as_torch_holds_them(affine, make):
 def test_empty_inputs_are_served():
     f = cr.compile(_affine)
     f(torch.zeros(0, 3))
-    assert f._current._runner.path == "reused binding"
+    assert current(f).parts.runner.path == "reused binding"
     assert f(torch.zeros(0, 3)).shape == (0, 3)
     assert f.state is State.Compiled and f.recapture_count == 0
 
@@ -108,7 +108,7 @@ def test_keyword_calls_and_simple_constants_take_the_flat_hit():
     f = cr.compile(target)
     x, m = torch.randn(4, 3), torch.rand(4, 3)
     f(x, mask=m, mode="inc")  # canonical form (x, m, "inc"): a tensor, a tensor, a constant
-    assert f._flat_hit is not None
+    assert flat_hit(f) is not None
     calls = target.calls
     torch.testing.assert_close(f(x, mask=m, mode="inc"), _scaled(x, m, "inc"))
     torch.testing.assert_close(f(x, m, "inc"), _scaled(x, m, "inc"))
@@ -129,7 +129,7 @@ def test_float_constants_are_left_to_the_general_path():
     f = cr.compile(target, specialize=True)
     x = torch.randn(4, 3)
     f(x, None, "double", 0.5)
-    assert f._flat_hit is None
+    assert flat_hit(f) is None
     calls = target.calls
     torch.testing.assert_close(f(x, None, "double", 0.5), x * 0.5)
     assert target.calls == calls
@@ -155,10 +155,10 @@ def test_training_flag_flips_are_seen_by_the_flat_hit():
 def test_large_or_dynamic_outputs_take_the_numpy_path():
     large = cr.compile(lambda x: x.repeat(64, 1))  # 64 KiB and more out: copying out would cost
     large(torch.randn(300, 4))
-    assert large._current._runner.path == "numpy"
+    assert current(large).parts.runner.path == "numpy"
     dynamic = cr.compile(_affine, dynamic=True)
     dynamic(torch.randn(4, 3))
-    assert dynamic._current._runner.path == "numpy"
+    assert current(dynamic).parts.runner.path == "numpy"
     torch.testing.assert_close(dynamic(torch.randn(7, 3)).shape, torch.Size([7, 3]))
 
 
@@ -193,7 +193,7 @@ def test_without_the_private_iobinding_the_public_paths_serve(monkeypatch):
     monkeypatch.setattr(runners, "_C", None)
     f = cr.compile(_affine)
     f(torch.randn(4, 3))
-    assert f._current._runner.path == "numpy"
+    assert current(f).parts.runner.path == "numpy"
     x = torch.randn(4, 3)
     torch.testing.assert_close(f(x), _affine(x))
 
@@ -203,38 +203,27 @@ def _add(x, y):
 
 
 @pytest.mark.parametrize("large", [False, True], ids=["reused-binding", "numpy"])
-def test_the_checked_run_refuses_tensors_the_graph_was_not_made_for(large):
-    # The flat hit leaves dtype, device and shape to the runner's checked run: it must say no
-    # (None, nothing run) rather than hand onnxruntime memory it would misread.
+def test_the_guard_refuses_tensors_the_graph_was_not_made_for(large):
+    # The flat hit leaves dtype, device and shape to the capture's guard: it must say no rather
+    # than let onnxruntime read memory it would misread; the call then takes the general path.
     rows = 5000 if large else 4  # 5000 x 4 floats out: past the reused binding's copy limit
     f = cr.compile(_add)
     f(torch.randn(rows, 4), torch.randn(rows, 4))
-    runner = f._current._runner
-    assert runner.path == ("numpy" if large else "reused binding")
-    serve = runner.server([(rows, 4), None], first=True)
+    capture = current(f)
+    assert capture.parts.runner.path == ("numpy" if large else "reused binding")
+    guard = capture.guard
     x, y = torch.randn(rows, 4), torch.randn(rows, 4)
-    torch.testing.assert_close(serve(x, y), x + y)
-    torch.testing.assert_close(serve(x.t().contiguous().t(), y[:, :]), x + y)
-    assert serve(x.double(), y) is None
-    assert serve(x, y.int()) is None
-    assert serve(torch.randn(rows + 1, 4), y) is None
-    assert serve(x, torch.randn(rows, 4, 1)) is None  # shape None: any shape of the declared rank
-    assert serve(torch.empty(rows, 4, device="meta"), y) is None
-    assert serve(x) is None
-    (out,) = runner.server([(rows, 4), (rows, 4)])(x, y)
-    torch.testing.assert_close(out, x + y)
-
-
-def test_one_tensor_checked_run_refuses_the_same():
-    f = cr.compile(_affine)
-    f(torch.randn(4, 3))
-    exact, ranked = f._current._runner.server([(4, 3)], first=True), f._current._runner.server([None])
-    x = torch.randn(4, 3)
-    torch.testing.assert_close(exact(x), _affine(x))
-    torch.testing.assert_close(ranked(x)[0], _affine(x))
-    for bad in (x.double(), torch.randn(4, 4), torch.randn(12), torch.empty(4, 3, device="meta")):
-        assert exact(bad) is None
-    assert ranked(torch.randn(12)) is None
+    assert guard.check([x, y]) is None and guard.check([x.t().contiguous().t(), y[:, :]]) is None
+    torch.testing.assert_close(capture.run([x, y]), x + y)
+    assert guard.check([x.double(), y]).kind == "dtype"
+    assert guard.check([x, y.int()]).kind == "dtype"
+    assert guard.check([torch.randn(rows + 1, 4), y]).kind == "size"
+    assert guard.check([x, torch.randn(rows, 4, 1)]).kind == "rank"
+    assert guard.check([torch.empty(rows, 4, device="meta"), y]).kind == "device"
+    assert guard.check([x]).kind == "count"
+    calls = f.recapture_count
+    torch.testing.assert_close(f(x.double(), y.double()), x.double() + y.double())  # a new key, not a misread
+    assert f.recapture_count == calls + 1
 
 
 def test_dense_copies_of_strided_inputs_live_until_the_run():
@@ -243,7 +232,7 @@ def test_dense_copies_of_strided_inputs_live_until_the_run():
     flat, nested = cr.compile(_add), cr.compile(lambda d: d["x"] + d["y"])
     flat(torch.randn(4, 4), torch.randn(4, 4))
     nested({"x": torch.randn(4, 4), "y": torch.randn(4, 4)})
-    assert flat._current._runner.path == nested._current._runner.path == "reused binding"
+    assert current(flat).parts.runner.path == current(nested).parts.runner.path == "reused binding"
     for _ in range(20):
         x, y = torch.randn(4, 4).t(), torch.randn(4, 4).t()
         torch.testing.assert_close(flat(x, y), x + y)
@@ -254,7 +243,7 @@ def test_a_new_rank_with_dynamic_axes_is_a_new_key_not_an_error():
     # The guard indexes axes; the flat hit must compare ranks before it runs the guard.
     f = cr.compile(_affine, dynamic_axes={"x": {0: "batch"}})
     f(torch.randn(4, 3))
-    assert f._flat_hit is not None
+    assert flat_hit(f) is not None
     torch.testing.assert_close(f(torch.randn(6, 3)).shape, torch.Size([6, 3]))
     x = torch.randn(4)
     torch.testing.assert_close(f(x), _affine(x))

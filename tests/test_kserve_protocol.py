@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 
 import clika_runtime as cr
 from clika_runtime.errors import GraphInputError, ProtocolError, ServeError
-from clika_runtime.graph import TensorInfo
+from clika_runtime.served import TensorInfo
 from clika_runtime.kserve import batching, protocol
 from clika_runtime.kserve.stats import Statistics
 from v2_requests import BAD_REQUESTS, INPUTS, MAX_ELEMENTS, OUTPUTS, ids_entry, json_body, x_entry
@@ -249,13 +249,21 @@ def test_graphs_that_cannot_batch_say_why(inputs, outputs, reason):
 
 def test_the_plan_says_whether_requests_share_runs():
     assert batching.plan(MODEL, 8, 5.0) == batching.Plan(
-        "x_dim0", True, "batching on dim 'x_dim0' (axis 0 of every input and output), up to 8 rows per run, "
+        "x_dim0", True, 8, "batching on dim 'x_dim0' (axis 0 of every input and output), up to 8 rows per run, "
         "waiting at most 5 ms")
     assert batching.plan(MODEL, 1, 5.0) == batching.Plan(
-        "x_dim0", False, "not batching: max_batch_size is 1 (the graph could batch on dim 'x_dim0')")
+        "x_dim0", False, 1, "not batching: at most 1 row per run; the graph could batch on dim 'x_dim0'")
     static = protocol.Model.from_graph("m", [TensorInfo("x", "float32", (4,))], [TensorInfo("y", "float32", (4,))])
     assert batching.plan(static, 8, 5.0) == batching.Plan(
-        None, False, "cannot batch: input 'x' has a static axis 0 (size 4); requests run one by one")
+        None, False, 0, "cannot batch: input 'x' has a static axis 0 (size 4); requests run one by one")
+
+
+def test_the_plan_stays_within_the_batch_dims_range():
+    capped = batching.plan(MODEL, 32, 5.0, ranges=[("other", 0, 2), ("x_dim0", 1, 16)])
+    assert (capped.stacks, capped.max_rows) == (True, 16)
+    assert "up to 16 rows per run (the graph's range for dim 'x_dim0' ends at 16)" in capped.sentence
+    assert batching.plan(MODEL, 8, 5.0, ranges=[("x_dim0", 0, None)]).max_rows == 8
+    assert batching.plan(MODEL, 8, 5.0, ranges=[("x_dim0", 1, 1)]).stacks is False
 
 
 def test_requests_are_stacked_by_shape_group_and_split_back_in_order(graph):

@@ -38,7 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Scorer(torch.nn.Module):
-    """Two inputs and two outputs sharing a dynamic batch dim; an id past the table breaks the graph."""
+    """Two inputs and two outputs sharing a dynamic batch dim; an id past the table breaks the graph.
+
+    Traced at small batches, the graph holds the first branch only: its shipped guard says the
+    batch dim ends at 16.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,12 +51,15 @@ class Scorer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         scores = torch.tanh(self.proj(x)) + self.embed(ids)
+        if x.shape[0] > 16:
+            scores = scores.clamp(-0.5, 0.5)
         return {"scores": scores, "best": scores.argmax(-1)}
 
 
 class Server(NamedTuple):
     model: Scorer
     url: str  # host:port, as tritonclient takes it
+    plan: str  # what the replica says of its batching
 
     def eager(self, x: np.ndarray, ids: np.ndarray) -> dict[str, np.ndarray]:
         with torch.no_grad():
@@ -102,9 +109,9 @@ def server(shipped):
     started = psutil.Process().children(recursive=True)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        application = kserve.app(path, name="scorer", max_batch_size=8, batch_wait_ms=50, max_request_mb=1)
-        serve.run(application, name="scorer", route_prefix="/")
-        yield Server(model, f"127.0.0.1:{port}")
+        application = kserve.app(path, name="scorer", max_batch_size=32, batch_wait_ms=50, max_request_mb=1)
+        handle = serve.run(application, name="scorer", route_prefix="/")
+        yield Server(model, f"127.0.0.1:{port}", handle.describe.remote().result())
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -168,7 +175,16 @@ def test_concurrent_requests_are_batched_and_split_back(server, client):
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == 32
     assert executions <= inferences // 2, f"{executions} graph runs for 32 requests: not batched"
-    assert max(b["batch_size"] for b in after["batch_stats"]) > 1
+    assert 1 < max(b["batch_size"] for b in after["batch_stats"]) <= 16
+
+
+def test_batches_stay_within_the_shipped_guard_and_larger_requests_get_400(server):
+    assert server.plan == ("batching on dim 'x_dim0' (axis 0 of every input and output), up to 16 rows per run "
+                           "(the graph's range for dim 'x_dim0' ends at 16), waiting at most 50 ms")
+    status, answer = server.post("/v2/models/scorer/infer", json_body([x_entry(17), ids_entry(17, data=[0] * 17)]))
+    assert (status, answer) == (400, {"error": "input 'x' axis 0: size 17 outside the graph's range [0, 16]"})
+    status, answer = server.post("/v2/models/scorer/infer", json_body([x_entry(16), ids_entry(16, data=[0] * 16)]))
+    assert status == 200 and answer["outputs"][0]["shape"] == [16, 3]
 
 
 @pytest.mark.parametrize("bad", BAD_REQUESTS, ids=[b.id for b in BAD_REQUESTS])
@@ -240,7 +256,7 @@ def test_the_replica_code_path_never_imports_torch(shipped):
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["not batching: max_batch_size is 1 (the graph could batch on dim 'x_dim0')",
+    assert result.stdout.splitlines() == ["not batching: at most 1 row per run; the graph could batch on dim 'x_dim0'",
                                           "False"]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import clika_runtime as cr
+from conftest import current
 import serving
 from clika_runtime import PlaceError
 
@@ -82,16 +83,16 @@ def test_optimize_false_serves_the_graph_as_exported_with_basic_session_optimisa
     x = torch.randn(3)
     plain(x), tuned(x)
     torch.testing.assert_close(plain(x), fn(x))
-    assert plain._current._runner._session.get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    assert tuned._current._runner._session.get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    assert current(plain).parts.runner.session.get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    assert current(tuned).parts.runner.session.get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     assert len(plain.take_graph().model_proto.graph.node) > len(tuned.take_graph().model_proto.graph.node)
 
 
 def test_session_threads_follow_torch_unless_configured():
     f = cr.compile(lambda x: x + 1)
     f(torch.zeros(2))
-    assert f._current._runner._session.get_session_options().intra_op_num_threads == torch.get_num_threads()
+    assert current(f).parts.runner.session.get_session_options().intra_op_num_threads == torch.get_num_threads()
     cr.config.intra_op_threads = 1
     g = cr.compile(lambda x: x - 1)
     g(torch.zeros(2))
-    assert g._current._runner._session.get_session_options().intra_op_num_threads == 1
+    assert current(g).parts.runner.session.get_session_options().intra_op_num_threads == 1

@@ -46,18 +46,26 @@ class Plan(NamedTuple):
 
     dim: str | None  # the batch dim, when the graph has one
     stacks: bool  # whether requests go through the batch queue to share runs
+    max_rows: int  # the most rows one stacked run holds
     sentence: str  # the above in words, for the log and the serve command
 
 
-def plan(model: Model, max_batch_size: int, batch_wait_ms: float) -> Plan:
-    """Batch when the graph has a batch dim and a run may hold more than one row: otherwise a
-    request would wait out the batch wait for nothing."""
+def plan(
+    model: Model, max_batch_size: int, batch_wait_ms: float, ranges: Sequence[tuple[str, int, int | None]] = ()
+) -> Plan:
+    """Batch when the graph has a batch dim and a run may hold more than one row (otherwise a
+    request would wait out the batch wait for nothing), never past the end of the dim's range in
+    the graph's guard (``Guard.ranges``): a stacked run the graph refuses would only be retried."""
     dim, why = batch_dim(model)
     if dim is None:
-        return Plan(None, False, why)
-    if max_batch_size == 1:
-        return Plan(dim, False, f"not batching: max_batch_size is 1 (the graph could batch on dim {dim!r})")
-    return Plan(dim, True, f"{why}, up to {max_batch_size} rows per run, waiting at most {batch_wait_ms:g} ms")
+        return Plan(None, False, 0, why)
+    highest = min((hi for name, _, hi in ranges if name == dim and hi is not None), default=None)
+    max_rows = max_batch_size if highest is None else max(1, min(max_batch_size, highest))
+    capped = "" if max_rows == max_batch_size else f" (the graph's range for dim {dim!r} ends at {highest})"
+    if max_rows == 1:
+        return Plan(dim, False, 1, f"not batching: at most 1 row per run{capped}; the graph could batch on dim {dim!r}")
+    return Plan(dim, True, max_rows,
+                f"{why}, up to {max_rows} rows per run{capped}, waiting at most {batch_wait_ms:g} ms")
 
 
 def batch_dim(model: Model) -> tuple[str | None, str]:

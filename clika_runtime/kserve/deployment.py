@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from clika_runtime.errors import GraphFileError, GraphInputError, ProtocolError, ServeError
-from clika_runtime.graph import load
+from clika_runtime.served import load
 from clika_runtime.kserve import batching, protocol
 from clika_runtime.kserve.stats import Statistics
 
@@ -42,12 +42,11 @@ class KServeModel:
     ) -> None:
         self._graph = load(path, place)
         self._model = protocol.Model.from_graph(name, self._graph.inputs, self._graph.outputs)
-        self._plan = batching.plan(self._model, max_batch_size, batch_wait_ms)
-        self._max_rows = max_batch_size
+        self._plan = batching.plan(self._model, max_batch_size, batch_wait_ms, self._graph.guard.ranges)
         self._max_bytes = max_request_bytes
         self._stats = Statistics()
         # @serve.batch takes its sizes at class definition; these are the sizes this app was built with.
-        self._stacked.set_max_batch_size(max_batch_size)
+        self._stacked.set_max_batch_size(self._plan.max_rows)
         self._stacked.set_batch_wait_timeout_s(batch_wait_ms / 1000)
         logger.log(logging.INFO if self._plan.stacks else logging.WARNING, "model %r: %s", name, self._plan.sentence)
 
@@ -82,6 +81,11 @@ class KServeModel:
             # body cap could only come from a shape that lies about its data.
             parsed = protocol.parse_infer(self._model, body, header_length, max_elements=self._max_bytes)
             feeds = parsed.inputs
+            # The guard decides alone for each request, so whether one is served never depends
+            # on the requests it happens to be batched with.
+            problem = self._graph.guard.check([feeds[n] for n in self._graph.guard.names])
+            if problem is not None:
+                raise GraphInputError(str(problem))
             rows = len(next(iter(feeds.values()))) if self._plan.dim else 1
             outcome = await self._execute(batching.Request(feeds, rows))
             if isinstance(outcome, Exception):
@@ -100,7 +104,7 @@ class KServeModel:
         return Response(content, headers=headers)
 
     async def _execute(self, request: batching.Request) -> batching.Outcome:
-        if self._plan.stacks and request.rows <= self._max_rows:
+        if self._plan.stacks and request.rows <= self._plan.max_rows:
             return await self._stacked(request)
         return (await self._run([request]))[0]  # a request larger than a batch runs alone
 

@@ -1,0 +1,67 @@
+"""Why a capture failed, in one sentence that names the cause and the fix.
+
+The exporter's own errors run to dozens of lines (an FX graph dump, a stack of frames); users
+need the first line that matters and what to do. The full text goes to the ``clika_runtime``
+logger at DEBUG level.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from clika_runtime.errors import CaptureError
+
+logger = logging.getLogger("clika_runtime")
+
+_ONNX_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+                torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+_OUTPUT_VALUES = (int, float, bool, str, bytes, type(None))
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (its type name when it has none)."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(error).__name__
+
+
+def check_outputs(leaves: Sequence[Any]) -> None:
+    """Output leaves a graph cannot return: a clear ``CaptureError`` with the fix."""
+    for pos, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.dtype not in _ONNX_DTYPES:
+                raise CaptureError(f"output {pos}: dtype {leaf.dtype} has no ONNX type")
+        elif not isinstance(leaf, _OUTPUT_VALUES):
+            kind = type(leaf).__name__
+            fix = (" (a key/value cache: call the model with use_cache=False, or let the decoder support serve it)"
+                   if "Cache" in kind else "; return tensors, numbers or strings (or register the type as a pytree node)")
+            raise CaptureError(f"output {pos} is a {kind}, which a graph cannot return{fix}")
+
+
+def exporter_failure(error: BaseException) -> str:
+    """The exporter's failure in a few lines, with the fix for the failures users meet most."""
+    logger.debug("exporter failure in full", exc_info=error)
+    cause = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = str(error).strip()
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith((" ", "\t"))][:3]
+    summary = " ".join(lines)[:500] or type(error).__name__
+    lowered = (text + str(cause)).lower()
+    if "data-dependent" in lowered or "datadependent" in lowered or "guardondatadependent" in lowered:
+        return (f"{summary} -- the function branches on tensor values (e.g. `if x.sum() > 0:`), which one graph "
+                f"cannot hold: express the branch with torch.cond, or pass the condition as a static argument")
+    return summary
+
+
+def disagreement(eager_out: Any, capture: Any) -> str:
+    """A hint for a graph that disagrees with eager: where the usual cause is known, the fix."""
+    owner = getattr(capture.parts, "owner", None)
+    if owner is not None and owner.training:
+        random = [type(m).__name__ for m in owner.modules() if "Dropout" in type(m).__name__]
+        if random:
+            return (f" -- the module is in training mode, where {random[0]} draws random numbers: call .eval() "
+                    f"on it for inference")
+    return ""

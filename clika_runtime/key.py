@@ -1,0 +1,213 @@
+"""The cache key of a call, computed in one place, and why a call missed, in words.
+
+A call is flattened to leaves. Tensors (and Python numbers lifted to graph inputs) feed the
+graph; every other leaf is static and joins the key by value. The key holds the call's structure,
+each static leaf's value, each fed tensor's dtype, rank and device (and shape when shapes are part
+of the key), and the owning module's training flag. ``explain`` words why a call missed against
+the closest cached key, as jax does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+from math import copysign
+from typing import Any, Hashable, NamedTuple, Sequence
+
+import torch
+
+_Tensor = torch.Tensor
+
+
+class CallKey(NamedTuple):
+    """What decides which captures may serve a call (compared with ``==``, hashed as a tuple)."""
+
+    structure: Any  # the optree PyTreeSpec of the call in its canonical form
+    statics: tuple  # per static leaf, its value (``static_value``); per lifted number, ``LIFTED[type]``
+    tensors: tuple  # per fed tensor: (dtype, rank, device) or (dtype, rank, device, shape)
+    training: bool | None  # the owning module's training flag (None: no module)
+
+
+class Unkeyable(Exception):
+    """A static leaf whose value cannot key a capture; the message says why."""
+
+
+class Lifted(NamedTuple):
+    """The static entry of a Python number fed to the graph: only its type joins the key."""
+
+    type: type
+
+
+_NAN = ("nan",)
+# Leaves keyed by their type and value as they are: immutable, compared by value.
+_PLAIN = frozenset({type(None), bool, int, str, bytes, complex, type(Ellipsis), range, torch.dtype, torch.device,
+                    torch.Size, torch.layout, torch.memory_format})
+# Code and classes: immutable in practice, so identity is their value (as torch.compile guards them).
+_BY_IDENTITY = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
+                types.BuiltinMethodType)
+_SNAPSHOT_DEPTH = 4
+_SNAPSHOT_ITEMS = 64
+
+
+def static_value(leaf: Any) -> Hashable:
+    """A static leaf as it joins the key: its type with its value (``1``, ``1.0`` and ``True``
+    differ; NaN equals NaN; ``-0.0`` is not ``0.0``).
+
+    Value types (numbers, str, bytes, None, enums, dtypes, frozen dataclasses of them) key by
+    value; functions and classes by identity; any other object by a snapshot of its attributes,
+    taken again on every call, so a changed attribute is a new key. Raises ``Unkeyable`` for an
+    object that cannot be snapshot (it holds tensors, modules, or too much).
+    """
+    kind = type(leaf)
+    if kind in _PLAIN:
+        return (kind, leaf)
+    if kind is float:
+        return (kind, leaf, copysign(1.0, leaf)) if leaf == leaf else (kind, _NAN)
+    if isinstance(leaf, (enum.Enum, *_BY_IDENTITY)):
+        return (kind, leaf)
+    if isinstance(leaf, (_Tensor, torch.nn.Module)):
+        raise Unkeyable(f"a {kind.__name__} passed where only tensor leaves feed the graph")
+    if kind.__hash__ is None:
+        raise Unkeyable(f"static input leaf of unhashable type {kind.__name__} cannot key a capture")
+    return ("snapshot", kind, _snapshot(leaf, _SNAPSHOT_DEPTH))
+
+
+def _snapshot(value: Any, depth: int) -> Hashable:
+    """The value of a mutable object as nested tuples, or ``Unkeyable``."""
+    kind = type(value)
+    if kind in _PLAIN or isinstance(value, (enum.Enum, *_BY_IDENTITY)):
+        return value
+    if kind is float:
+        return static_value(value)
+    if depth == 0:
+        raise Unkeyable(f"a {kind.__name__} nested too deep to compare by value")
+    if isinstance(value, (_Tensor, torch.nn.Module)):
+        raise Unkeyable(f"an object holding a {kind.__name__}, whose value cannot key a capture")
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return (kind, tuple(_snapshot(v, depth - 1) for v in _capped(items, kind)))
+    if isinstance(value, dict):
+        return (kind, tuple((k, _snapshot(v, depth - 1)) for k, v in _capped(value.items(), kind)))
+    if dataclasses.is_dataclass(value):
+        fields = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+        return (kind, tuple((k, _snapshot(v, depth - 1)) for k, v in _capped(fields, kind)))
+    state = getattr(value, "__dict__", None)
+    if state is None:
+        raise Unkeyable(f"a {kind.__name__} has no attributes to compare by value")
+    return (kind, tuple((k, _snapshot(v, depth - 1)) for k, v in _capped(state.items(), kind)))
+
+
+def _capped(items: Any, kind: type) -> list:
+    items = list(items)
+    if len(items) > _SNAPSHOT_ITEMS:
+        raise Unkeyable(f"a {kind.__name__} with {len(items)} entries is too large to compare by value on every call")
+    return items
+
+
+def split(
+    leaves: Sequence[Any], lifted: frozenset[int], with_shapes: bool
+) -> tuple[list[Any], tuple, tuple, bool]:
+    """One pass over a call's leaves: the fed leaves (tensors, lifted numbers), the static part of
+    the key, each fed tensor's dtype/rank/device (and shape), and whether a fed tensor requires grad.
+
+    Raises ``Unkeyable`` (from ``static_value``) for a static leaf that cannot key a capture.
+    """
+    feeds = []
+    statics = []
+    metas = []
+    grad = False
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Tensor):
+            feeds.append(leaf)
+            shape = leaf.shape
+            metas.append((leaf.dtype, len(shape), leaf.device, shape) if with_shapes else (leaf.dtype, len(shape), leaf.device))
+            grad = grad or leaf.requires_grad
+        elif lifted and i in lifted:
+            feeds.append(leaf)
+            statics.append(Lifted(type(leaf)))
+        else:
+            statics.append(static_value(leaf))
+    return feeds, tuple(statics), tuple(metas), grad
+
+
+# ------------------------------------------------------------------------------------------ explain
+
+
+class Described(NamedTuple):
+    """A key with the names that make its difference from another key readable."""
+
+    key: CallKey
+    paths: tuple[str, ...]  # every leaf's path, in leaf order (``x``, ``batch['ids']``)
+    static_names: tuple[str, ...]  # the static leaves' names, in order
+    tensor_names: tuple[str, ...]  # the fed tensors' names, in order
+
+
+def distance(a: CallKey, b: CallKey) -> int:
+    """How far two keys are: a new structure is furthest, then each differing part counts one."""
+    if a.structure != b.structure:
+        return 1000
+    statics = sum(x != y for x, y in zip(a.statics, b.statics))
+    tensors = sum(x != y for x, y in zip(a.tensors, b.tensors))
+    return statics + tensors + (a.training != b.training) + abs(len(a.tensors) - len(b.tensors))
+
+
+def closest(candidates: Sequence[Described], key: CallKey) -> Described | None:
+    """The candidate nearest to ``key`` (the most recent among equals: candidates in age order)."""
+    best, best_distance = None, None
+    for candidate in candidates:
+        d = distance(candidate.key, key)
+        if best_distance is None or d <= best_distance:
+            best, best_distance = candidate, d
+    return best
+
+
+def explain(old: Described, new: Described) -> str:
+    """Why ``new`` is a different key from ``old``, in words: the first difference found."""
+    if old.key.structure != new.key.structure:
+        return f"new structure: {_structure_change(old.paths, new.paths)}"
+    if old.key.training != new.key.training:
+        return f"module training flag changed: {old.key.training} -> {new.key.training}"
+    for name, a, b in zip(new.static_names, old.key.statics, new.key.statics):
+        if a != b:
+            return f"static value changed: '{name}' {_value(a)} -> {_value(b)}"
+    for name, a, b in zip(new.tensor_names, old.key.tensors, new.key.tensors):
+        if a != b:
+            return f"input '{name}' changed: {_meta(a)} -> {_meta(b)}"
+    return "new key"
+
+
+def _structure_change(old: Sequence[str], new: Sequence[str]) -> str:
+    appeared = [p for p in new if p not in old]
+    gone = [p for p in old if p not in new]
+    parts = []
+    if appeared:
+        parts.append(f"{_listed(appeared)} appeared")
+    if gone:
+        parts.append(f"{_listed(gone)} gone")
+    return "; ".join(parts) or f"the inputs were rearranged: {_listed(old)} -> {_listed(new)}"
+
+
+def _listed(paths: Sequence[str]) -> str:
+    shown = ", ".join(f"'{p}'" for p in paths[:4])
+    return shown + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+
+
+def _value(static: Any) -> str:
+    if isinstance(static, Lifted):
+        return f"<{static.type.__name__} graph input>"
+    if static[0] == "snapshot":
+        return f"{static[1].__name__}{_short(static[2])}"
+    value = static[1]
+    return "nan" if value is _NAN else repr(value)
+
+
+def _short(snapshot: Any) -> str:
+    text = repr(snapshot[1] if isinstance(snapshot, tuple) and len(snapshot) == 2 else snapshot)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def _meta(meta: tuple) -> str:
+    dtype, rank, device, *shape = meta
+    text = f"{str(dtype).replace('torch.', '')} rank {rank} on {device}"
+    return text + (f" shape {tuple(shape[0])}" if shape else "")

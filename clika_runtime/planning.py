@@ -1,0 +1,401 @@
+"""Capture planning: from a call, what the function knows, and its options, to what a miss does.
+
+Pure functions over plain data: nothing here exports, runs a graph or changes a table. A miss is
+one of: serve a capture another thread just made, serve eagerly, verify an existing graph at
+sizes 0/1, capture (first, new key, drift, a branch's other side), or give up (the budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
+
+import torch
+
+from clika_runtime import trees
+from clika_runtime.calls import CallForms
+from clika_runtime.config import config
+from clika_runtime.errors import SignatureError, SignatureValueError
+from clika_runtime.guards import SPECIAL_BELOW
+from clika_runtime.key import CallKey, Described, Lifted, closest, explain, split
+from clika_runtime.specs import TensorSpec
+from clika_runtime.table import CacheTable, Knowledge
+
+if TYPE_CHECKING:
+    from clika_runtime.capture import Capture
+
+_Tensor = torch.Tensor
+Axes = Mapping[int, Union[str, None]]  # axis -> dim name (None: named after the input and axis)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The compile options that decide what a capture asks of the exporter."""
+
+    signature: tuple[TensorSpec, ...] = ()
+    dynamic: bool | None = None
+    dynamic_axes: Mapping[str, Axes] = field(default_factory=dict)
+    specialize: bool | None = None
+
+    @property
+    def shapes_in_key(self) -> bool:
+        """``dynamic=False``: each shape set is its own key."""
+        return self.dynamic is False
+
+
+class Call:
+    """One call, flattened in its canonical form and split: what a miss decides from.
+
+    ``args`` / ``kwargs`` are the call as the user made it (the target is called with them);
+    ``leaves`` and ``structure`` are those of the canonical form (they make the key).
+    """
+
+    def __init__(
+        self, forms: CallForms, args: tuple, kwargs: dict, owner: torch.nn.Module | None,
+        knowledge: Knowledge, options: Options, lifted: frozenset[int] | None = None,
+    ) -> None:
+        self.args, self.kwargs, self._forms, self._options = args, kwargs, forms, options
+        self.canonical = forms(args, kwargs)
+        self.leaves, self.structure = trees.flatten(self.canonical)
+        self.lifted = lifted if lifted is not None else _initial_lift(self, knowledge, options)
+        self.feeds, statics, metas, self.grad = split(self.leaves, self.lifted, options.shapes_in_key)
+        self.key = CallKey(self.structure, statics, metas, owner.training if owner is not None else None)
+        self.positions = tuple(i for i, v in enumerate(self.leaves) if isinstance(v, _Tensor) or i in self.lifted)
+
+    def with_lift(self, lifted: frozenset[int], owner: torch.nn.Module | None) -> "Call":
+        """The same call with another set of Python numbers fed to the graph."""
+        return Call(self._forms, self.args, self.kwargs, owner, Knowledge(), self._options, lifted)
+
+    @cached_property
+    def paths(self) -> tuple[str, ...]:
+        """Each canonical leaf's name (``x``, ``batch_input_ids``), before uniquing."""
+        names = []
+        for path in trees.leaf_paths(self.canonical, self.leaves):
+            head = self._forms.argument_name(int(path[1])) if path[0] == "0" else path[1]
+            names.append(trees.identifier((head, *path[2:]), "input"))
+        return tuple(names)
+
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        """The graph input names: declared signature names, else from the paths; unique."""
+        names = [self.paths[p] for p in self.positions]
+        declared = [s.name for s in self._options.signature]
+        if len(declared) == len(names):
+            names = [d or n for d, n in zip(declared, names)]
+        return tuple(trees.unique(names))
+
+    @cached_property
+    def described(self) -> Described:
+        """The key with the names that explain its differences."""
+        tensors = tuple(n for n, v in zip(self.names, self.feeds) if isinstance(v, _Tensor))
+        statics = tuple(p for p, v in zip(self.paths, self.leaves) if not isinstance(v, _Tensor))
+        return Described(self.key, self.paths, statics, tensors)
+
+
+# ------------------------------------------------------------------------------------------ decisions
+
+
+@dataclass(frozen=True)
+class Serve:
+    """A capture already serves this call (another thread made it meanwhile)."""
+
+    capture: "Capture"
+
+
+@dataclass(frozen=True)
+class Eager:
+    """Serve this call eagerly without capturing; ``why`` is said once when set."""
+
+    why: str | None = None
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """Capture from this call: the dynamic axes to ask the exporter for, why, and where it goes.
+
+    ``reason`` is ``None`` for the first capture since ``reset()``; ``replaces`` holds the captures
+    the new one supersedes; ``variant`` keeps it beside the key's other captures; ``special``
+    marks a capture made for sizes 0/1 a dynamic graph did not handle (its failures never make
+    the function's dynamic axes static).
+    """
+
+    call: Call
+    dynamic: tuple[dict[int, str | None], ...]
+    declared: tuple[dict[int, str | None], ...]
+    reason: str | None
+    replaces: tuple["Capture", ...] = ()
+    variant: bool = False
+    special: bool = False
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Run an existing dynamic graph at the call's sizes 0/1 and compare with eager; when it
+    agrees it serves those sizes from now on, else ``otherwise`` captures a variant for them."""
+
+    capture: "Capture"
+    otherwise: CapturePlan
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """The re-capture budget is spent: serve eagerly until ``reset()``."""
+
+    why: str
+
+
+Decision = Union[Serve, Eager, CapturePlan, Verify, GiveUp]
+
+
+def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Module | None) -> Decision:
+    """What a miss does with ``call``, given everything ``table`` holds."""
+    check_signature(call, options)
+    if call.grad and torch.is_grad_enabled():
+        return Eager()  # the caller is differentiating: stay eager, capture nothing
+    variants = table.entries.get(call.key, ())
+    for capture in variants:
+        if capture.guard.check(call.feeds) is None:
+            return Serve(capture)
+    if variants:
+        return _within_key(table, call, variants, options)
+    call, lift_reasons = _lift_changed_numbers(table, call, options, owner)
+    if lift_reasons and call.key in table.entries:
+        return decide(table, call, options, owner)
+    reason = "; ".join(lift_reasons) or table.pending or _key_change(table, call)
+    plan = CapturePlan(call, _initial_dynamic(table, call, options), declared_axes(call, options), reason)
+    return _budgeted(table, plan, options)
+
+
+def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], options: Options) -> Decision:
+    """A call whose key is cached but whose sizes no capture of it accepts."""
+    found = [(c, c.guard.mismatches(call.feeds)) for c in reversed(variants)]  # newest first
+    declared = declared_axes(call, options)
+    for capture, problems in found:
+        if {p.kind for p in problems} == {"special"}:
+            reason = f"sizes {_sizes_text(capture, call)} not served by the dynamic graph"
+            otherwise = CapturePlan(call, capture.dynamic, declared, reason, variant=True, special=True)
+            return Verify(capture, otherwise)
+    for capture, problems in found:
+        if {p.kind for p in problems} <= {"condition", "range", "number", "special"}:
+            reason = "; ".join(str(p) for p in problems)
+            plan = CapturePlan(call, capture.dynamic, declared, reason, variant=True)
+            return _budgeted(table, plan, options)
+    capture, problems = min(found, key=lambda pair: sum(p.kind == "size" for p in pair[1]))
+    drifted = [dict(axes) for axes in capture.dynamic]
+    for p in problems:
+        if p.kind == "size":
+            drifted[call.names.index(p.input)].setdefault(p.axis, None)
+    dynamic = tuple(_without_static(table, d, n, k) for d, n, k in zip(drifted, call.names, declared))
+    reasons = [f"shape drift: input '{p.input}' axis {p.axis}: {p.expected} -> {p.got}" if p.kind == "size" else str(p)
+               for p in problems]
+    plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(variants))
+    return _budgeted(table, plan, options)
+
+
+def _sizes_text(capture: "Capture", call: Call) -> str:
+    return ", ".join(f"{name}={size}" for name, size in capture.guard.special_sizes(call.feeds))
+
+
+def _budgeted(table: CacheTable, plan: CapturePlan, options: Options) -> Decision:
+    limit = config.recapture_limit
+    if plan.reason is not None and table.recaptures >= limit:
+        return GiveUp(f"re-capture limit ({limit}) reached; last: {plan.reason}")
+    return plan
+
+
+def over_budget(table: CacheTable, plan: CapturePlan, options: Options) -> str | None:
+    """Why ``plan`` may not be captured (the budget is spent), or ``None``."""
+    decision = _budgeted(table, plan, options)
+    return decision.why if isinstance(decision, GiveUp) else None
+
+
+def _key_change(table: CacheTable, call: Call) -> str | None:
+    """Why a call with a new key re-captures (``None``: the first capture since ``reset()``)."""
+    candidates = [c.described for c in table.captures] or ([table.last] if table.last is not None else [])
+    nearest = closest(candidates, call.key)
+    return None if nearest is None else explain(nearest, call.described)
+
+
+# ------------------------------------------------------------------------------------- dynamic axes
+
+
+def declared_axes(call: Call, options: Options) -> tuple[dict[int, str | None], ...]:
+    """Per fed leaf, the axes the user declared dynamic (signature, ``dynamic_axes``); a lifted
+    number is declared dynamic by being lifted."""
+    n_tensors = sum(isinstance(t, _Tensor) for t in call.feeds)
+    specs = iter(options.signature if len(options.signature) == n_tensors else ())
+    declared = []
+    for name, value, pos in zip(call.names, call.feeds, call.positions):
+        if not isinstance(value, _Tensor):
+            declared.append({0: None} if pos in call.lifted else {})
+            continue
+        axes: dict[int, str | None] = {}
+        spec = next(specs, None)
+        if spec is not None:
+            axes.update({a: d for a, d in enumerate(spec.shape) if not isinstance(d, int)})
+        axes.update({a: d for a, d in options.dynamic_axes.get(name, {}).items() if a < value.dim()})
+        declared.append(axes)
+    return tuple(declared)
+
+
+def _initial_dynamic(table: CacheTable, call: Call, options: Options) -> tuple[dict[int, str | None], ...]:
+    """Dynamic axes of a new key's first capture: declared ones; with ``dynamic=True`` every
+    axis; with ``dynamic=None`` those drift taught about the same input name."""
+    dynamic = []
+    learned = table.knowledge.learned
+    for name, value, declared in zip(call.names, call.feeds, declared_axes(call, options)):
+        axes: dict[int, str | None] = {}
+        if isinstance(value, _Tensor) and options.dynamic is True:
+            axes = {a: None for a in range(value.dim())}
+        elif isinstance(value, _Tensor) and options.dynamic is None:
+            axes = {a: n for a, n in learned.get(name, {}).items() if a < value.dim()}
+        dynamic.append(_without_static(table, {**axes, **declared}, name, declared))
+    return tuple(dynamic)
+
+
+def _without_static(table: CacheTable, axes: Mapping[int, Any], name: str, declared: Mapping[int, Any]) -> dict:
+    """Drop axes the exporter could not make dynamic before (declared axes are always asked)."""
+    static = table.knowledge.static_axes
+    return {a: n for a, n in axes.items() if a in declared or (name, a) not in static}
+
+
+def special_static(plan: CapturePlan) -> CapturePlan | None:
+    """A special-size capture that failed dynamic: the same, with the dims below 2 static."""
+    dynamic = []
+    changed = False
+    for axes, declared, value in zip(plan.dynamic, plan.declared, plan.call.feeds):
+        keep = {a: n for a, n in axes.items() if not (isinstance(value, _Tensor) and value.shape[a] < SPECIAL_BELOW)}
+        changed = changed or len(keep) != len(axes)
+        dynamic.append(keep)
+    return replace(plan, dynamic=tuple(dynamic)) if changed else None
+
+
+def learned_static(plan: CapturePlan) -> tuple[CapturePlan, list[tuple[str, int]]] | None:
+    """A capture that failed with learned dynamic axes: the same with only declared axes dynamic,
+    and the axes given up (the function keeps them static from now on)."""
+    given_up = [(n, a) for n, d, k in zip(plan.call.names, plan.dynamic, plan.declared) for a in d if a not in k]
+    if not given_up:
+        return None
+    return replace(plan, dynamic=tuple(dict(k) for k in plan.declared)), given_up
+
+
+def learned(
+    knowledge: Knowledge, plan: CapturePlan, options: Options, *, static_axes: Sequence[tuple[str, int]] = (),
+    unliftable: frozenset[int] = frozenset(),
+) -> Knowledge:
+    """What a successful capture teaches: its dynamic axes by input name, its lifted numbers, and
+    what its retries gave up (axes exported static, numbers the exporter could not lift)."""
+    learned_axes = dict(knowledge.learned)
+    if options.dynamic is None and not plan.special:
+        for name, value, axes in zip(plan.call.names, plan.call.feeds, plan.dynamic):
+            if isinstance(value, _Tensor):
+                learned_axes[name] = MappingProxyType(dict(axes))
+    structure = plan.call.structure
+    lifted = dict(knowledge.lifted)
+    if plan.call.lifted:
+        lifted[structure] = plan.call.lifted
+    else:
+        lifted.pop(structure, None)
+    never = dict(knowledge.unliftable)
+    if unliftable:
+        never[structure] = never.get(structure, frozenset()) | unliftable
+    return Knowledge(
+        learned=MappingProxyType(learned_axes), static_axes=knowledge.static_axes | frozenset(static_axes),
+        lifted=MappingProxyType(lifted), unliftable=MappingProxyType(never),
+    )
+
+
+# ------------------------------------------------------------------------------------------ numbers
+
+
+def _initial_lift(call: Call, knowledge: Knowledge, options: Options) -> frozenset[int]:
+    known = knowledge.lifted.get(call.structure)
+    if known is not None:
+        return known
+    if options.specialize is False:
+        unliftable = knowledge.unliftable.get(call.structure, frozenset())
+        return frozenset(i for i, v in enumerate(call.leaves) if type(v) is int and i not in unliftable)
+    return frozenset()
+
+
+def _lift_changed_numbers(
+    table: CacheTable, call: Call, options: Options, owner: torch.nn.Module | None
+) -> tuple[Call, list[str]]:
+    """``specialize=None``: ints whose value changed against a capture of the same structure
+    become graph inputs (floats stay baked: torch.export specialises Python floats)."""
+    if options.specialize is not None:
+        return call, []
+    same = [c for c in table.captures if c.key.structure == call.key.structure and c.key.tensors == call.key.tensors
+            and c.key.training == call.key.training]
+    if not same:
+        return call, []
+    old = same[-1]
+    unliftable = table.knowledge.unliftable.get(call.structure, frozenset())
+    statics = [i for i, v in enumerate(call.leaves) if not isinstance(v, _Tensor)]
+    changed = []
+    for i, name, before, now in zip(statics, call.described.static_names, old.key.statics, call.key.statics):
+        if before == now or i in call.lifted or i in unliftable or isinstance(before, Lifted):
+            continue
+        if type(call.leaves[i]) is int and before[0] is int:
+            changed.append((i, name, before[1], call.leaves[i]))
+    if not changed:
+        return call, []
+    reasons = [f"static value changed: '{n}' {a} -> {b}; it becomes a graph input" for _, n, a, b in changed]
+    return call.with_lift(call.lifted | {i for i, *_ in changed}, owner), reasons
+
+
+def unlifted(plan: CapturePlan, owner: torch.nn.Module | None) -> tuple[CapturePlan, list[str]] | None:
+    """A capture that failed with lifted numbers: the same with every number baked, and the
+    names of the numbers given up (``None`` when nothing was lifted)."""
+    call = plan.call
+    if not call.lifted:
+        return None
+    names = [n for n, p in zip(call.names, call.positions) if p in call.lifted]
+    tensors = [isinstance(v, _Tensor) for v in call.feeds]
+    dynamic = tuple(dict(axes) for axes, keep in zip(plan.dynamic, tensors) if keep)
+    declared = tuple(dict(axes) for axes, keep in zip(plan.declared, tensors) if keep)
+    return replace(plan, call=call.with_lift(frozenset(), owner), dynamic=dynamic, declared=declared), names
+
+
+# ---------------------------------------------------------------------------------------- signature
+
+
+def check_signature(call: Call, options: Options) -> None:
+    """A call that breaks the declared signature or declared dim names raises before anything runs."""
+    tensors = [(n, t) for n, t in zip(call.names, call.feeds) if isinstance(t, _Tensor)]
+    declared: list[tuple[str, int, str]] = []  # (input, axis, dim name) declared by name
+    if options.signature:
+        declared += _check_specs(tensors, options.signature)
+    shapes = dict(tensors)
+    for name, axes in options.dynamic_axes.items():
+        if name in shapes:
+            declared += [(name, a, d) for a, d in axes.items() if d and a < shapes[name].dim()]
+    first: dict[str, tuple[str, int, int]] = {}
+    for name, axis, dim in declared:
+        size = shapes[name].shape[axis]
+        seen = first.setdefault(dim, (name, axis, size))
+        if seen[2] != size:
+            raise SignatureValueError(
+                f"input '{name}' axis {axis}: dim '{dim}' is {size}, but input '{seen[0]}' axis {seen[1]} "
+                f"gave it {seen[2]} (equal dim names mean equal sizes)"
+            )
+
+
+def _check_specs(tensors: list[tuple[str, _Tensor]], signature: Sequence[TensorSpec]) -> list[tuple[str, int, str]]:
+    if len(tensors) != len(signature):
+        raise SignatureError(
+            f"signature declares {len(signature)} tensor inputs, the call has {len(tensors)}: {[n for n, _ in tensors]}"
+        )
+    named = []
+    for (name, t), spec in zip(tensors, signature):
+        if spec.dtype is not None and t.dtype != spec.dtype:
+            raise SignatureError(f"input '{name}': expected dtype {spec.dtype}, got {t.dtype}")
+        if t.dim() != len(spec.shape):
+            raise SignatureError(f"input '{name}': expected rank {len(spec.shape)} {list(spec.shape)}, got shape {tuple(t.shape)}")
+        for axis, (want, got) in enumerate(zip(spec.shape, t.shape)):
+            if isinstance(want, int) and want != got:
+                raise SignatureValueError(f"input '{name}' axis {axis}: expected size {want} {list(spec.shape)}, got {got}")
+        named += [(name, a, d) for a, d in enumerate(spec.shape) if isinstance(d, str)]
+    return named

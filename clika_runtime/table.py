@@ -1,0 +1,146 @@
+"""The state of one compiled function: an immutable ``CacheTable``, replaced whole on every change.
+
+Hits read the table a function holds at that moment and nothing else; misses, ``reset()``,
+evictions and new captures build a new table and swap it in under the function's lock. A hit thus
+sees either the old table or the new one, never half of each, and needs no lock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from clika_runtime.key import CallKey, Described
+from clika_runtime.weights import Watch
+
+if TYPE_CHECKING:
+    from clika_runtime.capture import Capture
+
+# Graphs kept per key for sizes on either side of a branch the trace took (`if seq == 1:`), and for
+# sizes 0/1 the dynamic graph does not handle, so calls alternating across them stop re-capturing.
+VARIANTS = 4
+
+
+class State(enum.Enum):
+    """Where the function is in its capture lifecycle.
+
+    ``Pending``: nothing captured yet. ``Compiled``: a captured graph serves calls whose structure
+    and shapes it matches. ``Fallback``: serving eagerly, and not re-capturing, until ``reset()``.
+    """
+
+    Pending = "pending"
+    Compiled = "compiled"
+    Fallback = "fallback"
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    """What captures taught about the function, kept across keys until ``reset()``.
+
+    ``learned``: per input name, the axes drift made dynamic (a new key starts with them).
+    ``static_axes``: (input, axis) the exporter could not make dynamic at a regular size.
+    ``lifted`` / ``unliftable``: per input structure, leaf positions of Python numbers fed to the
+    graph, and of numbers the exporter could not lift.
+    """
+
+    learned: Mapping[str, Mapping[int, str | None]] = field(default_factory=lambda: MappingProxyType({}))
+    static_axes: frozenset[tuple[str, int]] = frozenset()
+    lifted: Mapping[Any, frozenset[int]] = field(default_factory=lambda: MappingProxyType({}))
+    unliftable: Mapping[Any, frozenset[int]] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class CacheTable:
+    """Everything a compiled function knows, as one value.
+
+    ``entries`` maps a key to its captures (one, or a few variants), in least-recently-captured
+    order; ``flat`` is the flat hit of the newest capture; ``watch`` checks the baked weights;
+    ``pending`` is the reason the next capture will give (a graph dropped, weights changed).
+    """
+
+    state: State = State.Pending
+    entries: Mapping[CallKey, tuple["Capture", ...]] = field(default_factory=lambda: MappingProxyType({}))
+    flat: Callable[[tuple], Any] | None = None
+    watch: Watch = field(default_factory=lambda: Watch(()))
+    knowledge: Knowledge = field(default_factory=Knowledge)
+    recaptures: int = 0
+    reasons: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    fallback_why: str | None = None
+    pending: str | None = None
+    last: Described | None = None  # the key of the last capture made (explains misses when none is cached)
+    last_names: tuple[str, ...] = ()  # its graph input names
+    generation: int = 0
+
+    @property
+    def captures(self) -> list["Capture"]:
+        """Every cached capture, oldest key first."""
+        return [c for variants in self.entries.values() for c in variants]
+
+    def current(self) -> "Capture | None":
+        """The capture most recently created or served."""
+        captures = self.captures
+        return max(captures, key=lambda c: c.stats.last_use) if captures else None
+
+
+def fresh(generation: int) -> CacheTable:
+    """The table of a function with nothing captured."""
+    return CacheTable(generation=generation)
+
+
+def with_capture(
+    table: CacheTable, capture: "Capture", *, reason: str | None, replaces: Sequence["Capture"] = (),
+    knowledge: Knowledge, notes: Sequence[str] = (), limit: int,
+) -> CacheTable:
+    """``table`` with ``capture`` installed beside the variants of its key (without ``replaces``),
+    least recently used keys evicted past ``limit``; ``reason`` (None: the first capture) counts
+    as one re-capture."""
+    entries = dict(table.entries)
+    kept = tuple(c for c in entries.pop(capture.key, ()) if c not in replaces)
+    entries[capture.key] = (kept + (capture,))[-VARIANTS:]
+    while len(entries) > max(1, limit):
+        oldest = min(entries, key=lambda k: max(c.stats.last_use for c in entries[k]))
+        del entries[oldest]
+    return _rebuilt(
+        table, entries, flat=capture.flat, state=State.Compiled, knowledge=knowledge, pending=None,
+        last=capture.described, last_names=capture.names, notes=table.notes + tuple(notes),
+        recaptures=table.recaptures + (reason is not None), reasons=table.reasons + ((reason,) if reason else ()),
+    )
+
+
+def with_replaced(table: CacheTable, old: "Capture", new: "Capture") -> CacheTable:
+    """``table`` with one capture swapped for an updated one (a special size now verified)."""
+    entries = {key: tuple(new if c is old else c for c in variants) for key, variants in table.entries.items()}
+    flat = new.flat if table.flat is old.flat else table.flat
+    return _rebuilt(table, entries, flat=flat)
+
+
+def without(table: CacheTable, dropped: Sequence["Capture"], pending: str) -> CacheTable:
+    """``table`` without some captures (a graph that failed, stale weights); the next capture says why."""
+    entries = {k: tuple(c for c in v if c not in dropped) for k, v in table.entries.items()}
+    entries = {k: v for k, v in entries.items() if v}
+    flat = table.flat if all(c.flat is not table.flat for c in dropped) else None
+    return _rebuilt(table, entries, flat=flat, pending=pending)
+
+
+def rewatched(table: CacheTable) -> CacheTable:
+    """``table`` with a new weights watch (after a registration that changed nothing baked)."""
+    return _rebuilt(table, dict(table.entries))
+
+
+def fallen_back(table: CacheTable, why: str) -> CacheTable:
+    """``table`` serving eagerly until ``reset()``: its captures (and their sessions) released."""
+    return _rebuilt(table, {}, flat=None, state=State.Fallback, fallback_why=why)
+
+
+def noted(table: CacheTable, note: str) -> CacheTable:
+    """``table`` with one more capture note."""
+    return replace(table, notes=table.notes + (note,))
+
+
+def _rebuilt(table: CacheTable, entries: dict, **changes: Any) -> CacheTable:
+    captures = [c for variants in entries.values() for c in variants]
+    watch = Watch([b for c in captures for b in c.baked])
+    return replace(table, entries=MappingProxyType(entries), watch=watch, **changes)
