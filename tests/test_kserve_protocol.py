@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 import clika_runtime as cr
 from clika_runtime.errors import GraphInputError, ProtocolError, ServeError
 from clika_runtime.served import TensorInfo
-from clika_runtime.kserve import batching, protocol
+from clika_runtime.kserve import batching, protocol, routes
 from clika_runtime.kserve.stats import Statistics
 from v2_requests import BAD_REQUESTS, INPUTS, MAX_ELEMENTS, OUTPUTS, ids_entry, json_body, x_entry
 
@@ -143,7 +143,7 @@ def test_graphs_the_protocol_cannot_carry_are_refused_at_startup():
     ("GET", "/v2/models/stats", "stats"),
 ])
 def test_routes(method, path, endpoint):
-    assert protocol.route(method, path, "scorer") == endpoint
+    assert routes.route(method, path, "scorer") == endpoint
 
 
 @pytest.mark.parametrize("method, path, status, match", [
@@ -155,7 +155,7 @@ def test_routes(method, path, endpoint):
 ])
 def test_unknown_routes_and_methods(method, path, status, match):
     with pytest.raises(ProtocolError, match=match) as caught:
-        protocol.route(method, path, "scorer")
+        routes.route(method, path, "scorer")
     assert caught.value.status == status
 
 
@@ -168,21 +168,21 @@ async def _chunks(count: int, size: int, read: list[int]):
 def test_body_over_the_cap_is_refused_from_content_length_before_reading():
     read: list[int] = []
     with pytest.raises(ProtocolError, match=r"request body of 5000 bytes is over the server's limit of 1000") as caught:
-        asyncio.run(protocol.read_body({"content-length": "5000"}, _chunks(5, 1000, read), 1000))
+        asyncio.run(routes.read_body({"content-length": "5000"}, _chunks(5, 1000, read), 1000))
     assert caught.value.status == 413 and read == []
 
 
 def test_body_over_the_cap_is_refused_while_streaming():
     read: list[int] = []
     with pytest.raises(ProtocolError, match=r"request body is over the server's limit of 1000 bytes") as caught:
-        asyncio.run(protocol.read_body({}, _chunks(100, 300, read), 1000))
+        asyncio.run(routes.read_body({}, _chunks(100, 300, read), 1000))
     assert caught.value.status == 413 and len(read) == 4  # stopped at the first chunk past the cap
-    assert asyncio.run(protocol.read_body({"content-length": "600"}, _chunks(2, 300, []), 1000)) == b"x" * 600
+    assert asyncio.run(routes.read_body({"content-length": "600"}, _chunks(2, 300, []), 1000)) == b"x" * 600
 
 
 def test_compressed_bodies_are_refused():
     with pytest.raises(ProtocolError, match=r"Content-Encoding 'gzip' is not supported"):
-        asyncio.run(protocol.read_body({"content-encoding": "gzip"}, _chunks(1, 10, []), 1000))
+        asyncio.run(routes.read_body({"content-encoding": "gzip"}, _chunks(1, 10, []), 1000))
 
 
 # --- batching on a real graph -----------------------------------------------------------------

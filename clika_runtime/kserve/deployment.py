@@ -24,9 +24,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from clika_runtime.errors import GraphFileError, GraphInputError, ProtocolError, ServeError
-from clika_runtime.served import load
-from clika_runtime.kserve import batching, protocol
+from clika_runtime.kserve import batching, protocol, routes
 from clika_runtime.kserve.stats import Statistics
+from clika_runtime.served import load
 
 logger = logging.getLogger("clika_runtime")
 
@@ -58,7 +58,7 @@ class KServeModel:
         """Answer one HTTP request of the v2 protocol."""
         path = request.url.path[len(request.scope.get("root_path", "")):]
         try:
-            endpoint = protocol.route(request.method, path, self._model.name)
+            endpoint = routes.route(request.method, path, self._model.name)
         except ProtocolError as e:
             return _error(e.status, str(e))
         if endpoint == "infer":
@@ -75,7 +75,7 @@ class KServeModel:
         started = time.perf_counter_ns()
         rows = 0
         try:
-            body = await protocol.read_body(request.headers, request.stream(), self._max_bytes)
+            body = await routes.read_body(request.headers, request.stream(), self._max_bytes)
             header_length = request.headers.get(protocol.HEADER_LENGTH)
             # Each element takes at least one byte on the wire: a tensor of more elements than the
             # body cap could only come from a shape that lies about its data.
@@ -123,7 +123,7 @@ class KServeModel:
 
 
 def _error(status: int, message: str) -> Response:
-    return Response(protocol.error_body(message), status_code=status, media_type="application/json")
+    return Response(routes.error_body(message), status_code=status, media_type="application/json")
 
 
 def app(
@@ -209,7 +209,10 @@ def run(
     ray.init(address=None if joined else "local")
     try:
         serve.start(http_options={"host": host, "port": port})
-        handle = serve.run(application, name=name, route_prefix="/")
+        try:
+            handle = serve.run(application, name=name, route_prefix="/")
+        except RuntimeError as e:  # Ray's words for a replica that failed to start; its error is logged above
+            raise ServeError(f"model {name!r} did not start: {e} (the replica's error is in the log above)") from None
         print(f"serving model {name!r} at http://{host}:{port}/v2/models/{name}: {handle.describe.remote().result()}",
               flush=True)
         _wait_for_stop()

@@ -8,7 +8,8 @@ carries a ``binary_data_size`` parameter, in the order the inputs are listed. Ou
 same way when asked (``binary_data`` per output, ``binary_data_output`` for all).
 
 Every refusal is a ``ProtocolError`` whose message names the input and says expected vs got; the
-server answers it as ``{"error": message}`` with the error's HTTP status.
+server answers it as ``{"error": message}`` with the error's HTTP status. Paths, methods and the
+body's size are ``routes``' business.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -92,60 +93,9 @@ def _tensor(kind: str, info: TensorInfo) -> Tensor:
     return Tensor(info.name, V2_DATATYPES[info.dtype], np.dtype(info.dtype), tuple(info.shape))
 
 
-def route(method: str, path: str, model_name: str) -> str:
-    """The endpoint a request asks for: ``server``, ``live``, ``ready``, ``metadata``, ``model_ready``,
-    ``infer`` or ``stats``. ``path`` is relative to the application's route prefix."""
-    parts = [p for p in path.split("/") if p]
-    endpoint = _endpoint(parts, model_name)
-    if endpoint is None:
-        raise ProtocolError(f"no endpoint at {_short(path)}; this server serves /v2/models/{model_name}/infer", 404)
-    wanted = "POST" if endpoint == "infer" else "GET"
-    if method != wanted:
-        raise ProtocolError(f"{method} {_short(path)}: this endpoint takes {wanted}", 405)
-    return endpoint
-
-
-def _endpoint(parts: list[str], model_name: str) -> str | None:
-    if parts[:1] != ["v2"]:
-        return None
-    rest = parts[1:]
-    fixed = {(): "server", ("health", "live"): "live", ("health", "ready"): "ready", ("models", "stats"): "stats"}
-    if tuple(rest) in fixed:
-        return fixed[tuple(rest)]
-    if rest[:1] != ["models"] or len(rest) < 2:
-        return None
-    if rest[1] != model_name:
-        raise ProtocolError(f"unknown model {_short(rest[1])!r}; this server serves {model_name!r}", 404)
-    tail = rest[2:]
-    if tail[:1] == ["versions"]:
-        if tail[1:2] != [MODEL_VERSION]:
-            raise ProtocolError(f"model {model_name!r} has version {MODEL_VERSION} only", 404)
-        tail = tail[2:]
-    return {(): "metadata", ("ready",): "model_ready", ("infer",): "infer", ("stats",): "stats"}.get(tuple(tail))
-
-
-def _short(text: str, limit: int = 80) -> str:
+def short(text: str, limit: int = 80) -> str:
     """Client-given text echoed in an error, cut so a hostile client cannot make errors huge."""
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-async def read_body(headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int) -> bytes:
-    """The request body, refused (413) as soon as it is known to exceed ``limit`` bytes: from
-    ``Content-Length`` before reading anything, else while streaming, so an oversized body is never
-    held whole. Compressed bodies are refused: inflating them would bypass the cap."""
-    encoding = headers.get("content-encoding", "identity").lower()
-    if encoding != "identity":
-        raise ProtocolError(f"Content-Encoding {_short(encoding)!r} is not supported: send the body uncompressed")
-    declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProtocolError(f"request body of {int(declared)} bytes is over the server's limit of {limit} bytes", 413)
-    parts, size = [], 0
-    async for chunk in chunks:
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError(f"request body is over the server's limit of {limit} bytes", 413)
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def parse_infer(model: Model, body: bytes, header_length: str | None, *, max_elements: int) -> InferRequest:
@@ -164,7 +114,7 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvi
     if header_length is None:
         return body, memoryview(b"")
     if not header_length.isdigit():
-        raise ProtocolError(f"Inference-Header-Content-Length: expected a byte count, got {_short(header_length)!r}")
+        raise ProtocolError(f"Inference-Header-Content-Length: expected a byte count, got {short(header_length)!r}")
     size = int(header_length)
     if size > len(body):
         raise ProtocolError(f"Inference-Header-Content-Length is {size}, but the body has {len(body)} bytes")
@@ -199,7 +149,7 @@ def _parse_inputs(model: Model, doc: Mapping[str, Any], binary: memoryview, max_
             raise ProtocolError(f"inputs[{position}]: expected an object with name, shape, datatype and data")
         name = entry.get("name")
         if name not in declared:
-            raise ProtocolError(f"unknown input {_short(str(name))!r}; the model's inputs are {list(declared)}")
+            raise ProtocolError(f"unknown input {short(str(name))!r}; the model's inputs are {list(declared)}")
         if name in arrays:
             raise ProtocolError(f"input {name!r} is given twice")
         tensor = declared[name]
@@ -222,9 +172,9 @@ def _parse_inputs(model: Model, doc: Mapping[str, Any], binary: memoryview, max_
 def _checked_shape(tensor: Tensor, entry: Mapping[str, Any], max_elements: int) -> tuple[int, ...]:
     name, shape, datatype = tensor.name, entry.get("shape"), entry.get("datatype")
     if datatype != tensor.datatype:
-        raise ProtocolError(f"input {name!r}: expected datatype {tensor.datatype}, got {_short(str(datatype))!r}")
+        raise ProtocolError(f"input {name!r}: expected datatype {tensor.datatype}, got {short(str(datatype))!r}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise ProtocolError(f"input {name!r}: 'shape' must be a list of sizes >= 0, got {_short(str(shape))}")
+        raise ProtocolError(f"input {name!r}: 'shape' must be a list of sizes >= 0, got {short(str(shape))}")
     if len(shape) != len(tensor.shape):
         raise ProtocolError(f"input {name!r}: expected rank {len(tensor.shape)} {tensor.v2_shape}, got shape {shape}")
     for axis, (want, got) in enumerate(zip(tensor.shape, shape)):
@@ -242,7 +192,7 @@ def _binary_size(tensor: Tensor, entry: Mapping[str, Any]) -> int | None:
         raise ProtocolError(f"input {tensor.name!r}: 'parameters' must be an object")
     size = parameters.get("binary_data_size")
     if size is not None and not (type(size) is int and size >= 0):
-        raise ProtocolError(f"input {tensor.name!r}: binary_data_size must be a byte count, got {_short(str(size))}")
+        raise ProtocolError(f"input {tensor.name!r}: binary_data_size must be a byte count, got {short(str(size))}")
     return size
 
 
@@ -340,7 +290,7 @@ def _requested_outputs(model: Model, doc: Mapping[str, Any]) -> list[tuple[str, 
     for entry in entries:
         name = entry.get("name") if isinstance(entry, dict) else None
         if name not in known:
-            raise ProtocolError(f"unknown output {_short(str(name))!r}; the model's outputs are {known}")
+            raise ProtocolError(f"unknown output {short(str(name))!r}; the model's outputs are {known}")
         options = entry.get("parameters") or {}
         if not isinstance(options, dict):
             raise ProtocolError(f"output {name!r}: 'parameters' must be an object")
@@ -353,7 +303,7 @@ def _requested_outputs(model: Model, doc: Mapping[str, Any]) -> list[tuple[str, 
 def _flag(parameters: Mapping[str, Any], key: str, where: str, default: bool = False) -> bool:
     value = parameters.get(key, default)
     if not isinstance(value, bool):
-        raise ProtocolError(f"{where}: {key} must be true or false, got {_short(str(value))}")
+        raise ProtocolError(f"{where}: {key} must be true or false, got {short(str(value))}")
     return value
 
 
@@ -396,8 +346,3 @@ def model_metadata(model: Model) -> dict[str, Any]:
 def server_metadata() -> dict[str, Any]:
     """``GET /v2``: the server's name, version and protocol extensions."""
     return {"name": "clika_runtime", "version": VERSION, "extensions": ["binary_tensor_data", "statistics"]}
-
-
-def error_body(message: str) -> bytes:
-    """The protocol's error answer: ``{"error": message}``."""
-    return json.dumps({"error": message}).encode()
