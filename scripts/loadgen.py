@@ -1,6 +1,6 @@
 """Load generator for the KServe v2 server: requests/s and p50/p99 latency, with and without batching.
 
-    python scripts/loadgen.py [--workload cnn_b1 | --graph model.onnx] [--concurrency 32] [--requests 2000]
+    python scripts/loadgen.py [--workload cnn_b1|mlp_b1|wide_mlp | --graph model.onnx] [--concurrency 32] [--requests 2000]
                               [--max-batch-sizes 1 8] [--batch-wait-ms 5]
     python scripts/loadgen.py --url 127.0.0.1:8000 --model NAME [--concurrency 32] [--requests 2000]
 
@@ -52,8 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", help="host:port of a running server (default: start one per batch size)")
     parser.add_argument("--model", default="loadgen", help="model name on that server")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--workload", default="cnn_b1", choices=["mlp_b1", "cnn_b1"],
-                        help="batch workload of scripts/workloads.py to capture and serve")
+    source.add_argument("--workload", default="cnn_b1", choices=["mlp_b1", "cnn_b1", "wide_mlp"],
+                        help="what to capture and serve: a batch workload of scripts/workloads.py, or "
+                             "wide_mlp (1024-4096-1024, 8 M weights)")
     source.add_argument("--graph", help="a .onnx file to serve instead")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=2000)
@@ -86,17 +87,23 @@ def _serve_and_drive(args: argparse.Namespace) -> None:
 
 
 def _capture(workload_name: str, folder: Path) -> Path:
-    """Capture the workload at its two sizes (the batch dim becomes dynamic) and save the graph."""
+    """Capture the workload at two batch sizes (the batch dim becomes dynamic) and save the graph."""
     import torch
     from workloads import build
 
     import clika_runtime as cr
 
-    (workload,) = build((workload_name,))
-    f = cr.compile(workload.model)
+    if workload_name == "wide_mlp":  # a graph whose run costs milliseconds at batch 1, not microseconds
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).eval()
+        make = lambda batch: (torch.randn(batch, 1024),)  # noqa: E731
+    else:
+        (workload,) = build((workload_name,))
+        model, make = workload.model, workload.inputs
+    f = cr.compile(model)
     with torch.no_grad():
         for size in (1, 3):
-            f(*workload.inputs(size))
+            f(*make(size))
     return f.take_graph().save(folder / f"{workload_name}.onnx")
 
 
