@@ -106,13 +106,13 @@ def server(shipped):
     # A Ray of its own (never one started on this machine with `ray start`); replica logs stay in
     # Ray's log files instead of interleaving with pytest's output.
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    started = psutil.Process().children(recursive=True)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         application = kserve.app(path, name="scorer", max_batch_size=32, batch_wait_ms=50, max_request_mb=1)
         handle = serve.run(application, name="scorer", route_prefix="/")
         yield Server(model, f"127.0.0.1:{port}", handle.describe.remote().result())
     finally:
+        started = psutil.Process().children(recursive=True)  # Ray's daemons, the proxy, the replica
         serve.shutdown()
         ray.shutdown()
     assert not _wait_gone(started), "Ray processes outlived ray.shutdown()"
