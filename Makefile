@@ -1,5 +1,6 @@
 # The two commands a new user runs: `make demo` (the main job) and `make test` (the test suite).
-# Each creates .venv from constraints.txt when it is missing: torch is pinned to the CPU build.
+# Each creates .venv from constraints.txt when it is missing (with the test and serve extras: the
+# KServe server's tests need Ray Serve): torch is pinned to the CPU build.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,serve]'
 	touch $(STAMP)
 
 demo: $(STAMP)

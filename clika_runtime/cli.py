@@ -1,4 +1,4 @@
-"""``clika-runtime`` / ``python -m clika_runtime``: inspect, validate and export graphs in CI."""
+"""``clika-runtime`` / ``python -m clika_runtime``: inspect, validate, export and serve graphs."""
 
 from __future__ import annotations
 
@@ -65,6 +65,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--instances", type=int, default=1, help="model instances")
     p.add_argument("--gpu", action="store_true", help="instances on GPUs (KIND_GPU) instead of CPUs")
     p.set_defaults(run=_triton)
+
+    p = sub.add_parser("serve", help="serve a graph over the KServe v2 HTTP protocol on Ray Serve, with dynamic batching")
+    p.add_argument("model")
+    p.add_argument("--name", help="model name in URLs (default: the file's stem)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=8, help="rows per graph run when batching (1: no batching)")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="longest wait for a batch to fill")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--place", default="cpu", help="where replicas run the graph: cpu, cuda, cuda:1, a provider name")
+    p.add_argument("--max-request-mb", type=float, default=64.0, help="larger request bodies are refused unread")
+    p.set_defaults(run=_serve)
     return parser
 
 
@@ -97,6 +109,19 @@ def _triton(args: argparse.Namespace) -> int:
     # Triton takes a local repository by its absolute path.
     print(f"wrote {folder} (version {args.version}); serve it with: "
           f"tritonserver --model-repository {Path(args.repository).resolve()}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from clika_runtime.kserve import deployment
+    except ImportError as e:
+        raise ValueError(f"serve needs Ray Serve: pip install 'clika-runtime[serve]' ({e})") from e
+    deployment.run(
+        args.model, name=args.name, host=args.host, port=args.port, place=args.place,
+        max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, replicas=args.replicas,
+        max_request_mb=args.max_request_mb,
+    )
     return 0
 
 

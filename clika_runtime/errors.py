@@ -41,3 +41,16 @@ class GraphFileError(ClikaError, ValueError):
 
 class DeployError(ClikaError, ValueError):
     """A graph cannot be deployed as asked (e.g. a Triton repository that Triton would refuse)."""
+
+
+class ServeError(ClikaError, ValueError):
+    """The KServe v2 server cannot serve this graph, or was given a configuration it cannot run."""
+
+
+class ProtocolError(ClikaError, ValueError):
+    """A KServe v2 request the server refuses; ``status`` is the HTTP status it is answered with
+    (400 malformed, 404 unknown model or path, 405 wrong method, 413 body over the cap)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -20,6 +20,14 @@ from clika_runtime.errors import GraphFileError, GraphInputError, PlaceError
 from clika_runtime.graph import existing
 from clika_runtime.guards import Guard, InputRule
 from clika_runtime.specs import PlaceLike
+
+
+class TensorInfo(NamedTuple):
+    """A graph input or output as the graph declares it."""
+
+    name: str
+    dtype: str  # numpy's name ("float32", "int64", "bool"), or "bfloat16"
+    shape: tuple[int | str | None, ...]  # an int per static axis; the dim's name (or None) per dynamic axis
 
 
 def load(path: str | os.PathLike, place: PlaceLike = None, *, output_types: Iterable[type] = ()) -> "ServedGraph":
@@ -54,6 +62,7 @@ class ServedGraph:
         self._types = treedesc.allowed_types(output_types)
         self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
         self._numpy_unfit = [o.name for o in self._session.get_outputs() if o.type == "tensor(bfloat16)"]
+        self._declared = ([_info(i) for i in self._session.get_inputs()], [_info(o) for o in self._session.get_outputs()])
         self._torch: Any = None
 
     @property
@@ -66,8 +75,36 @@ class ServedGraph:
         """What this graph accepts (shipped with it, or read from its declared input shapes)."""
         return self._guard
 
+    @property
+    def inputs(self) -> list[TensorInfo]:
+        """The graph's inputs as declared (name, dtype, shape), in input order."""
+        return list(self._declared[0])
+
+    @property
+    def outputs(self) -> list[TensorInfo]:
+        """The graph's outputs as declared (name, dtype, shape), in output order."""
+        return list(self._declared[1])
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        feeds = self._feeds(args, kwargs)
+        outs = self._checked_run(self._feeds(args, kwargs))
+        if self._outputs is None:
+            return dict(zip(self.output_names, outs))
+        return treedesc.rebuild(self._outputs, iter(outs), self._types)
+
+    def run(self, feeds: Mapping[str, Any], /) -> dict[str, Any]:
+        """Run on arrays given by graph input name; returns ``{output name: array}``.
+
+        The flat form of a call, for servers that speak graph input names (the KServe v2 server):
+        the guard of a call, without the captured pytrees.
+        """
+        missing = [n for n in self.input_names if n not in feeds]
+        unknown = [n for n in feeds if n not in self.input_names]
+        if missing or unknown:
+            raise GraphInputError(f"graph inputs are {self.input_names}; missing {missing}, unknown {unknown}")
+        return dict(zip(self.output_names, self._checked_run([feeds[n] for n in self.input_names])))
+
+    def _checked_run(self, feeds: list[Any]) -> list[Any]:
+        """Check the feeds (in input order) against the guard, then run; outputs in output order."""
         problem = self._guard.check(feeds)
         if problem is not None:
             raise GraphInputError(str(problem))
@@ -77,10 +114,7 @@ class ServedGraph:
             raise GraphInputError(
                 f"output(s) {self._numpy_unfit} are bfloat16, which numpy cannot hold: call with torch tensors"
             )
-        outs = self._run_torch(feeds) if is_torch else self._numpy.run(feeds)
-        if self._outputs is None:
-            return dict(zip(self.output_names, outs))
-        return treedesc.rebuild(self._outputs, iter(outs), self._types)
+        return self._run_torch(feeds) if is_torch else self._numpy.run(feeds)
 
     def _feeds(self, args: tuple, kwargs: dict) -> list[Any]:
         if self._inputs is None:  # plain ONNX: by position, then by name
@@ -152,6 +186,10 @@ class ServedGraph:
             dtypes = [t.dtype for t in tensors] + [serving.DTYPE_NAMES.get(o.type, o.type) for o in self._session.get_outputs()]
             self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
         return self._torch.run(tensors)
+
+
+def _info(value: Any) -> TensorInfo:
+    return TensorInfo(value.name, serving.DTYPE_NAMES.get(value.type, value.type), tuple(value.shape))
 
 
 def _open(model: bytes | str, place: serving.Place, where: str) -> Any:

@@ -1,0 +1,299 @@
+"""The KServe v2 server for real: Ray Serve on 127.0.0.1, a standard client, no mocks.
+
+One Ray instance for the module (started in-process, shut down at the end, its processes checked
+gone), plus one ``clika-runtime serve`` run in a subprocess for the command itself.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import psutil
+import pytest
+import ray
+import torch
+import tritonclient.http as triton
+from ray import serve
+from tritonclient.utils import InferenceServerException
+
+import clika_runtime as cr
+from clika_runtime import kserve
+from v2_requests import BAD_REQUESTS, ids_entry, json_body, x_entry
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Scorer(torch.nn.Module):
+    """Two inputs and two outputs sharing a dynamic batch dim; an id past the table breaks the graph.
+
+    Traced at small batches, the graph holds the first branch only: its shipped guard says the
+    batch dim ends at 16.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+        self.embed = torch.nn.Embedding(10, 3)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        scores = torch.tanh(self.proj(x)) + self.embed(ids)
+        if x.shape[0] > 16:
+            scores = scores.clamp(-0.5, 0.5)
+        return {"scores": scores, "best": scores.argmax(-1)}
+
+
+class Server(NamedTuple):
+    model: Scorer
+    url: str  # host:port, as tritonclient takes it
+    plan: str  # what the replica says of its batching
+
+    def eager(self, x: np.ndarray, ids: np.ndarray) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            return {k: v.numpy() for k, v in self.model(torch.from_numpy(x), torch.from_numpy(ids)).items()}
+
+    def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection(self.url, timeout=30)
+        try:
+            connection.request("POST", path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            return response.status, json.loads(response.read() or b"{}")
+        finally:
+            connection.close()
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Scorer().eval()
+    f = cr.compile(model)
+    with torch.no_grad():
+        f(torch.randn(2, 4), torch.randint(0, 10, (2,)))
+        f(torch.randn(5, 4), torch.randint(0, 10, (5,)))  # the batch dim becomes dynamic
+    path = f.take_graph().save(tmp_path_factory.mktemp("kserve") / "scorer.onnx")
+    return model, path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_gone(processes: list[psutil.Process], timeout: float = 30.0) -> list[str]:
+    """Names of the processes still alive after ``timeout``."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    return [f"{p.pid} {p.name()}" for p in alive if p.is_running()]
+
+
+@pytest.fixture(scope="module")
+def server(shipped):
+    model, path = shipped
+    port = _free_port()
+    # A Ray of its own (never one started on this machine with `ray start`); replica logs stay in
+    # Ray's log files instead of interleaving with pytest's output.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        application = kserve.app(path, name="scorer", max_batch_size=32, batch_wait_ms=50, max_request_mb=1)
+        handle = serve.run(application, name="scorer", route_prefix="/")
+        yield Server(model, f"127.0.0.1:{port}", handle.describe.remote().result())
+    finally:
+        started = psutil.Process().children(recursive=True)  # Ray's daemons, the proxy, the replica
+        serve.shutdown()
+        ray.shutdown()
+    assert not _wait_gone(started), "Ray processes outlived ray.shutdown()"
+
+
+@pytest.fixture
+def client(server):
+    with triton.InferenceServerClient(server.url, concurrency=32, connection_timeout=30, network_timeout=30) as c:
+        yield c
+
+
+def _inputs(x: np.ndarray, ids: np.ndarray, binary: bool = True) -> list[triton.InferInput]:
+    inputs = [triton.InferInput("x", list(x.shape), "FP32"), triton.InferInput("ids", list(ids.shape), "INT64")]
+    inputs[0].set_data_from_numpy(x, binary_data=binary)
+    inputs[1].set_data_from_numpy(ids, binary_data=binary)
+    return inputs
+
+
+def _example(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((rows, 4), dtype=np.float32), rng.integers(0, 10, rows)
+
+
+def _assert_matches(result: triton.InferResult, expected: dict[str, np.ndarray]) -> None:
+    np.testing.assert_allclose(result.as_numpy("scores"), expected["scores"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(result.as_numpy("best"), expected["best"])
+
+
+def _stats(client: triton.InferenceServerClient) -> dict:
+    return client.get_inference_statistics("scorer")["model_stats"][0]
+
+
+def test_health_and_metadata(client):
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("scorer")
+    meta = client.get_model_metadata("scorer")
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]},
+                              {"name": "ids", "datatype": "INT64", "shape": [-1]}]
+    assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": [-1, 3]},
+                               {"name": "best", "datatype": "INT64", "shape": [-1]}]
+    assert client.get_server_metadata()["name"] == "clika_runtime"
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_tritonclient_gets_the_eager_numbers(server, client, binary):
+    x, ids = _example(3, seed=1)
+    outputs = None if binary else [triton.InferRequestedOutput(n, binary_data=False) for n in ("scores", "best")]
+    result = client.infer("scorer", _inputs(x, ids, binary), outputs=outputs, request_id="req-1")
+    _assert_matches(result, server.eager(x, ids))
+    assert result.get_response()["id"] == "req-1"
+
+
+def test_concurrent_requests_are_batched_and_split_back(server, client):
+    before = _stats(client)
+    examples = [_example(1, seed=100 + i) for i in range(32)]
+    pending = [client.async_infer("scorer", _inputs(x, ids)) for x, ids in examples]
+    for (x, ids), request in zip(examples, pending):
+        _assert_matches(request.get_result(timeout=60), server.eager(x, ids))
+    after = _stats(client)
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences == 32
+    assert executions <= inferences // 2, f"{executions} graph runs for 32 requests: not batched"
+    assert 1 < max(b["batch_size"] for b in after["batch_stats"]) <= 16
+
+
+def test_batches_stay_within_the_shipped_guard_and_larger_requests_get_400(server):
+    assert server.plan == ("batching on dim 'x_dim0' (axis 0 of every input and output), up to 16 rows per run "
+                           "(the graph's range for dim 'x_dim0' ends at 16), waiting at most 50 ms")
+    status, answer = server.post("/v2/models/scorer/infer", json_body([x_entry(17), ids_entry(17, data=[0] * 17)]))
+    assert (status, answer) == (400, {"error": "input 'x' axis 0: size 17 outside the graph's range [0, 16]"})
+    status, answer = server.post("/v2/models/scorer/infer", json_body([x_entry(16), ids_entry(16, data=[0] * 16)]))
+    assert status == 200 and answer["outputs"][0]["shape"] == [16, 3]
+
+
+@pytest.mark.parametrize("bad", BAD_REQUESTS, ids=[b.id for b in BAD_REQUESTS])
+def test_malformed_requests_get_400_and_the_next_request_is_served(server, bad):
+    headers = {} if bad.header_length is None else {"Inference-Header-Content-Length": bad.header_length}
+    status, answer = server.post("/v2/models/scorer/infer", bad.body, headers)
+    assert status == bad.status
+    assert list(answer) == ["error"]
+    assert re.search(bad.match, answer["error"]), answer["error"]
+    assert "Traceback" not in answer["error"] and ".py" not in answer["error"]
+    status, answer = server.post("/v2/models/scorer/infer", json_body([x_entry(), ids_entry()]))
+    assert status == 200 and [o["name"] for o in answer["outputs"]] == ["scores", "best"]
+
+
+def test_a_request_that_breaks_the_graph_gets_500_alone(server, client):
+    examples = [_example(1, seed=200 + i) for i in range(6)]
+    broken = (examples[0][0], np.array([42]))  # the embedding has 10 rows
+    pending = [client.async_infer("scorer", _inputs(x, ids)) for x, ids in [broken, *examples]]
+    with pytest.raises(InferenceServerException) as caught:
+        pending[0].get_result(timeout=60)
+    assert caught.value.status() == "500"
+    assert caught.value.message() == "the graph failed on this request; the server's log has the details"
+    for (x, ids), request in zip(examples, pending[1:]):
+        _assert_matches(request.get_result(timeout=60), server.eager(x, ids))
+    x, ids = _example(2, seed=300)
+    _assert_matches(client.infer("scorer", _inputs(x, ids)), server.eager(x, ids))
+
+
+def test_an_oversized_body_is_refused_unread_and_the_server_goes_on(server, client):
+    connection = http.client.HTTPConnection(server.url, timeout=30)
+    try:
+        connection.putrequest("POST", "/v2/models/scorer/infer")
+        connection.putheader("Content-Length", str(64 * 2**20))  # the test server's cap is 1 MiB
+        connection.endheaders()
+        connection.send(b"{" * 65536)
+        response = connection.getresponse()
+        assert response.status == 413
+        assert json.loads(response.read()) == {
+            "error": f"request body of {64 * 2**20} bytes is over the server's limit of {2**20} bytes"
+        }
+    finally:
+        connection.close()
+    x, ids = _example(4, seed=400)
+    _assert_matches(client.infer("scorer", _inputs(x, ids)), server.eager(x, ids))
+
+
+def test_unknown_models_paths_and_methods_get_v2_errors(server):
+    connection = http.client.HTTPConnection(server.url, timeout=30)
+    try:
+        for method, path, status, message in [
+            ("GET", "/v2/models/other", 404, "unknown model 'other'; this server serves 'scorer'"),
+            ("GET", "/v2/models/scorer/infer", 405, "GET /v2/models/scorer/infer: this endpoint takes POST"),
+        ]:
+            connection.request(method, path)
+            response = connection.getresponse()
+            assert (response.status, json.loads(response.read())) == (status, {"error": message})
+    finally:
+        connection.close()
+
+
+def test_the_replica_code_path_never_imports_torch(shipped):
+    _, path = shipped
+    script = textwrap.dedent(f"""
+        import sys
+        from clika_runtime.kserve import deployment
+        replica = deployment.KServeModel.func_or_class({str(path)!r}, "scorer", "cpu", 1, 5.0, 2**20)
+        print(replica.describe())
+        print("torch" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["not batching: at most 1 row per run; the graph could batch on dim 'x_dim0'",
+                                          "False"]
+
+
+def test_the_serve_command_serves_until_interrupted(shipped):
+    _, path = shipped
+    port = _free_port()
+    command = [sys.executable, "-m", "clika_runtime", "serve", str(path), "--name", "cli", "--port", str(port),
+               "--max-batch-size", "4", "--batch-wait-ms", "2.5"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    children: list[psutil.Process] = []
+    try:
+        line = _wait_for_line(process, "serving model", timeout=180)
+        assert line == (f"serving model 'cli' at http://127.0.0.1:{port}/v2/models/cli: batching on dim 'x_dim0' "
+                        "(axis 0 of every input and output), up to 4 rows per run, waiting at most 2.5 ms")
+        children = psutil.Process(process.pid).children(recursive=True)
+        with triton.InferenceServerClient(f"127.0.0.1:{port}") as client:
+            x, ids = _example(2, seed=500)
+            result = client.infer("cli", _inputs(x, ids))
+            assert result.as_numpy("scores").shape == (2, 3)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert not _wait_gone(children), "Ray processes outlived clika-runtime serve"
+
+
+def _wait_for_line(process: subprocess.Popen, prefix: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = process.stdout.readline()
+        if line.startswith(prefix):
+            return line.rstrip("\n")
+        if not line and process.poll() is not None:
+            pytest.fail(f"clika-runtime serve exited with {process.returncode} before serving")
+    pytest.fail(f"clika-runtime serve did not print {prefix!r} within {timeout} s")
