@@ -1,35 +1,33 @@
 """Captures and shipped graphs described in words: what ``f.captures`` lists and
-``clika-runtime inspect`` prints for a saved graph, in one form."""
+``clika-runtime inspect`` prints for a saved graph, in one form. No torch at module level: served
+graphs describe their inputs with ``TensorInfo`` on boxes without it."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from clika_runtime.key import Lifted
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from clika_runtime.capture import Capture
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One graph input or output: its dims are ints (static) or dim names (dynamic)."""
+class TensorInfo(NamedTuple):
+    """One graph input or output as the graph declares it: each axis an int (static) or the dim's
+    name (dynamic; ``None`` where a graph from another tool leaves it unnamed). A Python number
+    fed to the graph is a rank-0 int64."""
 
     name: str
-    dtype: str
-    dims: tuple[int | str, ...] | None  # None: a Python number fed as a scalar
+    dtype: str  # numpy's name ("float32", "int64", "bool"), or "bfloat16"
+    shape: tuple[int | str | None, ...]
 
     @property
     def dynamic(self) -> tuple[int, ...]:
         """The axes whose size may vary."""
-        return tuple(a for a, d in enumerate(self.dims or ()) if isinstance(d, str))
+        return tuple(a for a, d in enumerate(self.shape) if not isinstance(d, int))
 
     def __str__(self) -> str:
-        if self.dims is None:
-            return f"{self.name}: {self.dtype} number"
-        return f"{self.name}: {self.dtype}[{', '.join(map(str, self.dims))}]"
+        return f"{self.name}: {self.dtype}[{', '.join(map(str, self.shape))}]"
 
 
 @dataclass(frozen=True)
@@ -59,6 +57,8 @@ class CaptureInfo:
 
 def describe(capture: "Capture") -> CaptureInfo:
     """A cached capture in words."""
+    from clika_runtime.key import Lifted  # needs torch: described captures exist only where torch is
+
     key = capture.key
     tensors = iter(key.tensors)
     parts = []
@@ -73,7 +73,7 @@ def describe(capture: "Capture") -> CaptureInfo:
         parts.append("training" if key.training else "eval")
     return CaptureInfo(
         key=", ".join(parts),
-        inputs=tuple(TensorInfo(r.name, r.dtype, r.shape) for r in capture.guard.inputs),
+        inputs=tuple(TensorInfo(r.name, r.dtype, r.shape if r.shape is not None else ()) for r in capture.guard.inputs),
         outputs=outputs_of(capture.model_proto),
         hits=capture.stats.hits,
         seconds_since_use=max(0.0, time.monotonic() - capture.stats.last_use),

@@ -9,25 +9,18 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 import serving
 from clika_runtime import metadata, treedesc
 from clika_runtime.config import config
+from clika_runtime.describe import TensorInfo
 from clika_runtime.errors import GraphFileError, GraphInputError, PlaceError
 from clika_runtime.graph import existing
 from clika_runtime.guards import Guard, InputRule
 from clika_runtime.specs import PlaceLike
-
-
-class TensorInfo(NamedTuple):
-    """A graph input or output as the graph declares it."""
-
-    name: str
-    dtype: str  # numpy's name ("float32", "int64", "bool"), or "bfloat16"
-    shape: tuple[int | str | None, ...]  # an int per static axis; the dim's name (or None) per dynamic axis
 
 
 def load(path: str | os.PathLike, place: PlaceLike = None, *, output_types: Iterable[type] = ()) -> "ServedGraph":

@@ -24,7 +24,7 @@ import numpy as np
 
 from clika_runtime.errors import ProtocolError, ServeError
 from clika_runtime.graph import VERSION
-from clika_runtime.served import TensorInfo
+from clika_runtime.describe import TensorInfo
 
 # numpy's dtype name -> the v2 protocol's datatype. bfloat16 (numpy cannot hold it), strings and
 # complex numbers have no entry: a graph with one of them is refused at startup.
