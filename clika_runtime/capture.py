@@ -96,8 +96,8 @@ class Capture:
         return graph
 
     def verified_at(self, feeds: Sequence[Any]) -> "Capture":
-        """This capture, also serving the sizes 0/1 of ``feeds`` (checked against eager by the caller)."""
-        guard = self.guard.with_special(feeds)
+        """This capture, also serving the point of ``feeds`` (checked against eager by the caller)."""
+        guard = self.guard.with_verified(feeds)
         run, flat = hits.closures(self.parts, guard, self.key, self.positions, self.stats)
         return replace(self, guard=guard, run=run, flat=flat)
 
@@ -189,8 +189,11 @@ def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> 
     structure, slots = original_slots(forms, call.args, call.kwargs)
     original = trees.flatten((call.args, call.kwargs))[0]
     into = [slots[p] for p in call.positions]
+    same = [(first, other) for group in plan.ties for first, other in zip(group, group[1:])]
 
     def flat(*feeds: Any) -> list[Any]:
+        for (i, a), (j, b) in same:  # tell the tracer these sizes are one (see CapturePlan.ties)
+            torch._check(feeds[i].shape[a] == feeds[j].shape[b])
         leaves = list(original)
         for index, value in zip(into, feeds):
             if index is not None:
@@ -262,7 +265,8 @@ def _guard(plan: CapturePlan, exported: exporters.ExportedGraph, feeds: list[Any
     dims = [r.shape for r in rules]
     conditions = tuple((tree, evaluate(tree, feeds)) for tree in exported.conditions if not _settled(tree, dims))
     device = next((str(t.device) for t in feeds if isinstance(t, torch.Tensor)), "cpu")
-    guard = Guard(tuple(rules), ranges, conditions, device=device, verify_small=True).with_special(feeds)
+    guard = Guard(tuple(rules), ranges, conditions, device=device, verify_small=True)
+    guard = guard.with_example(feeds).with_verified(feeds)
     problem = guard.check(feeds)
     if problem is not None:  # the exporter's contract does not even hold for its own example
         raise CaptureError(f"the exported graph's shapes do not fit the inputs it was exported from: {problem}")

@@ -82,17 +82,48 @@ def describe(capture: "Capture") -> CaptureInfo:
     )
 
 
-def outputs_of(model_proto: Any) -> tuple[TensorInfo, ...]:
-    """The graph outputs of an ONNX model with their dtypes and dims."""
+def describe_graph(model_proto: Any, where: str) -> CaptureInfo:
+    """A saved graph in the words ``f.captures`` uses for its capture (no hits: it is a file)."""
+    from clika_runtime import metadata
+
+    found = metadata.read({p.key: p.value for p in model_proto.metadata_props}, where)
+    initializers = {i.name for i in model_proto.graph.initializer}
+    inputs = tuple(info for info in _values(model_proto.graph.input) if info.name not in initializers)
+    if found is None:
+        return CaptureInfo(key="", inputs=inputs, outputs=outputs_of(model_proto))
+    statics = [f"{path}={leaf['value']!r}" for path, leaf in _static_leaves(found.inputs) if leaf["kind"] == "const"]
+    tensors = [f"{i.name}: {i.dtype}" for i in inputs]
+    return CaptureInfo(key=", ".join(tensors + statics), inputs=inputs, outputs=outputs_of(model_proto),
+                       guard=guard_text(found.guard) if found.guard is not None else "")
+
+
+def _static_leaves(description: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """(path, leaf) of every static leaf of the captured call's description."""
+    if description["kind"] in ("const", "static"):
+        return [(path, description)]
+    found = []
+    for key, child in zip(description.get("keys", ()), description.get("children", ())):
+        top = path == "" and description["kind"] == "tuple"  # the (args, kwargs) pair itself
+        found += _static_leaves(child, "" if top else f"{path}.{key}".lstrip("."))
+    return found
+
+
+def _values(values: Any) -> list[TensorInfo]:
     import onnx
 
     infos = []
-    for value in model_proto.graph.output:
+    for value in values:
         tensor = value.type.tensor_type
         dims = tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)
-        infos.append(TensorInfo(value.name, onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
-                                if tensor.elem_type != onnx.TensorProto.BFLOAT16 else "bfloat16", dims))
-    return tuple(infos)
+        dtype = "bfloat16" if tensor.elem_type == onnx.TensorProto.BFLOAT16 else \
+            onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+        infos.append(TensorInfo(value.name, dtype, dims))
+    return infos
+
+
+def outputs_of(model_proto: Any) -> tuple[TensorInfo, ...]:
+    """The graph outputs of an ONNX model with their dtypes and dims."""
+    return tuple(_values(model_proto.graph.output))
 
 
 def guard_text(guard: Any) -> str:
@@ -101,7 +132,7 @@ def guard_text(guard: Any) -> str:
 
     parts = [f"{name} in [{lo}, {'inf' if hi is None else hi}]" for name, lo, hi in guard.ranges]
     parts += [f"{render(tree, guard.names)} is {value}" for tree, value in guard.conditions]
-    parts += [f"verified at {', '.join(f'{n}={s}' for n, s in special.sizes)}" for special in guard.specials]
+    parts += [f"verified at {', '.join(f'{n}={s}' for n, s in point.sizes) or 'its branch'}" for point in guard.verified]
     return "; ".join(parts)
 
 

@@ -3,9 +3,10 @@
 A ``Guard`` holds, per graph input, its dtype and shape (an int where static, a dim name where
 dynamic; one name means one size), the size range the exporter assumed for each dim, the value
 range of each lifted Python number, the size conditions the trace branched on (with the value
-each had at capture), and the sizes 0 and 1 that were verified against eager. ``check(feeds)``
-returns the first ``Mismatch`` (or ``None``) and serves both to decide and to explain. The same
-guard ships in a graph's metadata as JSON (``to_json`` / ``from_json``) and ``cr.load`` enforces it.
+each had at capture), and the points verified against eager outside of those: sizes 0 and 1,
+sizes outside a range, sizes that flip a condition. ``check(feeds)`` returns the first
+``Mismatch`` (or ``None``) and serves both to decide and to explain. The same guard ships in a
+graph's metadata as JSON (``to_json`` / ``from_json``) and ``cr.load`` enforces it.
 
 No torch at module level: a loaded graph is guarded on a box with only onnxruntime and numpy.
 """
@@ -31,9 +32,10 @@ OPS: dict[str, tuple[Any, str]] = {
     "not": (operator.not_, "not"), "max": (max, "max"), "min": (min, "min"),
 }
 _INFIX = {"eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "floordiv", "mod", "and", "or"}
-# Sizes 0 and 1 are where tracers assume most (broadcasting, 0/1 specialisation): a graph serves a
-# dynamic dim at these sizes only once a call at that size was verified against eager.
+# Sizes 0 and 1 are where tracers assume most (broadcasting, 0/1 specialisation): in process, a
+# graph serves a dynamic dim at these sizes only once a call at that size was verified against eager.
 SPECIAL_BELOW = 2
+_NUMBER = "#"  # prefix of a lifted number's name where verified points record values by name
 
 
 def evaluate(tree: Sequence[Any], feeds: Sequence[Any]) -> Any:
@@ -79,9 +81,10 @@ class InputRule:
 
 
 @dataclass(frozen=True)
-class Special:
-    """Sizes below 2 verified against eager: dims at exactly these sizes, with the conditions
-    evaluating to ``outcomes``, are served by this graph."""
+class Verified:
+    """A point outside what the graph was traced for, verified against eager: calls whose dims
+    listed here have exactly these sizes, and whose conditions evaluate to ``outcomes``, are
+    served by this graph (the other dims may take any size the guard accepts)."""
 
     sizes: tuple[tuple[str, int], ...]
     outcomes: tuple[Any, ...]
@@ -90,8 +93,10 @@ class Special:
 @dataclass(frozen=True)
 class Mismatch:
     """Why a guard refuses a call: ``kind`` is one of ``count``, ``type``, ``dtype``, ``device``,
-    ``rank``, ``size`` (a static axis), ``equal`` (dims sharing a name differ), ``range``,
-    ``number``, ``condition`` (a size branch flipped) or ``special`` (sizes 0/1 not yet verified)."""
+    ``rank``, ``size`` (a static axis), ``equal`` (dims sharing a name differ), ``range`` (a size
+    outside what the exporter assumed), ``number``, ``condition`` (a size branch flipped) or
+    ``special`` (size 0 or 1 not yet verified). ``range``, ``condition`` and ``special`` are the
+    kinds a verification against eager can accept (``Guard.with_verified``)."""
 
     kind: str
     input: str | None
@@ -113,7 +118,7 @@ class Mismatch:
             "range": f"{where}: size {self.got} outside the graph's range {self.expected}",
             "number": f"{where} = {self.got}: outside the graph's range {self.expected}",
             "condition": f"a size condition the graph was traced under changed: {self.detail}",
-            "special": f"{where}: size {self.got} not yet verified for this graph{self.detail}",
+            "special": f"{where}: size {self.got} not yet verified for this graph",
         }[self.kind]
         return text
 
@@ -123,28 +128,31 @@ class Guard:
     """What a graph assumes of its inputs (see the module docstring).
 
     ``device`` and ``verify_small`` are the in-process part, not shipped: the device fed tensors
-    must be on, and whether a dynamic dim at size 0 or 1 needs a verified ``Special`` even inside
+    must be on, and whether a dynamic dim at size 0 or 1 needs a ``Verified`` point even inside
     its range (in process, one eager call verifies it; a shipped graph has no eager to ask, and
-    serves what its ranges and specials say).
+    serves what its ranges and verified points say).
     """
 
     inputs: tuple[InputRule, ...]
     ranges: tuple[tuple[str, int, int | None], ...] = ()  # dim name, lowest, highest (None: unbounded)
     conditions: tuple[tuple[tuple, Any], ...] = ()  # (tree, value at capture)
-    specials: tuple[Special, ...] = ()
+    verified: tuple[Verified, ...] = ()
+    example: tuple[tuple[str, int], ...] = ()  # each dim's size (and lifted number's value) at capture
     device: str | None = None
     verify_small: bool = False
     # Lookups derived from the fields above, built once; they decide nothing the fields do not say.
     _accept: tuple[frozenset, ...] = field(init=False, repr=False, compare=False)
     _exact: tuple | None = field(init=False, repr=False, compare=False)
     _bounds: dict[str, tuple[int, int | None]] = field(init=False, repr=False, compare=False)
-    _verified: frozenset = field(init=False, repr=False, compare=False)
+    _points: frozenset = field(init=False, repr=False, compare=False)
+    _reads: tuple[frozenset[str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         accept = tuple(_dtype_objects(rule.dtype) for rule in self.inputs)
         object.__setattr__(self, "_accept", accept)
         object.__setattr__(self, "_bounds", {name: (lo, hi) for name, lo, hi in self.ranges})
-        object.__setattr__(self, "_verified", frozenset((s.sizes, s.outcomes) for s in self.specials))
+        object.__setattr__(self, "_points", frozenset((v.sizes, v.outcomes) for v in self.verified))
+        object.__setattr__(self, "_reads", tuple(self._dims_read(tree) for tree, _ in self.conditions))
         static = all(r.shape is not None and all(type(d) is int for d in r.shape) for r in self.inputs)
         exact = None
         if static and not self.conditions and self.device in (None, "cpu"):
@@ -182,21 +190,30 @@ class Guard:
         """Each size condition's value for these feeds."""
         return tuple(evaluate(tree, feeds) for tree, _ in self.conditions)
 
-    def special_sizes(self, feeds: Sequence[Any]) -> tuple[tuple[str, int], ...]:
-        """The dynamic dims of these feeds at sizes below 2 that need a verified ``Special``, as
-        (dim name, size), sorted."""
+    def point(self, feeds: Sequence[Any]) -> Verified | None:
+        """Where ``feeds`` lie outside what the graph was traced for (sizes 0/1 to verify, sizes
+        outside a range, sizes that flip a condition), as the point a verification would add;
+        ``None`` when they lie inside (or do not fit the inputs at all)."""
         sizes = self._sizes(feeds)
-        return tuple(sorted(
-            (name, size) for name, size in sizes.items()
-            if size < SPECIAL_BELOW and (self.verify_small or size < self._bounds.get(name, (0, None))[0])
-        ))
+        outcomes = self.outcomes(feeds)
+        involved = set(self._unusual(sizes))
+        for reads, (_, expected), now in zip(self._reads, self.conditions, outcomes):
+            if now != expected:
+                involved |= reads
+        if not involved and outcomes == tuple(v for _, v in self.conditions):
+            return None
+        return Verified(tuple(sorted((d, sizes[d]) for d in involved)), outcomes)
 
-    def with_special(self, feeds: Sequence[Any]) -> "Guard":
-        """This guard, also accepting the special sizes of ``feeds`` (verified by the caller)."""
-        special = Special(self.special_sizes(feeds), self.outcomes(feeds))
-        if not special.sizes or special in self.specials:
+    def with_example(self, feeds: Sequence[Any]) -> "Guard":
+        """This guard, recording the sizes of ``feeds`` as the capture's example."""
+        return replace(self, example=tuple(self._sizes(feeds).items()))
+
+    def with_verified(self, feeds: Sequence[Any]) -> "Guard":
+        """This guard, also accepting the point of ``feeds`` (checked against eager by the caller)."""
+        point = self.point(feeds)
+        if point is None or point in self.verified:
             return self
-        return replace(self, specials=self.specials + (special,))
+        return replace(self, verified=self.verified + (point,))
 
     # ---------------------------------------------------------------------------------- the walk
 
@@ -215,6 +232,7 @@ class Guard:
         sizes: dict[str, int] = {}
         for rule, feed in zip(self.inputs, feeds):
             if rule.shape is None:
+                sizes[_NUMBER + rule.name] = int(feed)
                 continue
             for axis, (want, got) in enumerate(zip(rule.shape, feed.shape)):
                 if type(want) is int:
@@ -225,8 +243,8 @@ class Guard:
         yield from self._dims(sizes, feeds)
 
     def _input(self, i: int, rule: InputRule, feed: Any) -> Mismatch | None:
-        if rule.shape is None:  # a lifted Python number
-            if isinstance(feed, bool) or not isinstance(feed, (int, np.integer)):
+        if rule.shape is None:  # a lifted Python number (an int, or a 0-d integer array)
+            if not _is_integer(feed):
                 return Mismatch("type", rule.name, None, "a Python int", type(feed).__name__)
             lo, hi = rule.number or (None, None)
             if (lo is not None and feed < lo) or (hi is not None and feed > hi):
@@ -245,26 +263,48 @@ class Guard:
         return None
 
     def _dims(self, sizes: dict[str, int], feeds: Sequence[Any]) -> Iterator[Mismatch]:
-        special = []
-        for name, size in sizes.items():
-            lo, hi = self._bounds.get(name, (0, None))
-            if size < SPECIAL_BELOW and (self.verify_small or size < lo):
-                special.append((name, size))
-            elif size < lo or (hi is not None and size > hi):
-                yield Mismatch("range", *self._first(name), _interval(lo, hi), size)
+        unusual = self._unusual(sizes)
         outcomes = self.outcomes(feeds)
-        if not special:
-            for (tree, expected), now in zip(self.conditions, outcomes):
-                if now != expected:
-                    text = f"{render(tree, self.names)} was {expected}, now {now}"
-                    yield Mismatch("condition", None, None, expected, now, text)
+        flipped = [i for i, ((_, expected), now) in enumerate(zip(self.conditions, outcomes)) if now != expected]
+        if not unusual and not flipped:
             return
-        key = (tuple(sorted(special)), outcomes)
-        if key not in self._verified:
-            name, size = key[0][0]
-            flipped = [render(t, self.names) for (t, e), now in zip(self.conditions, outcomes) if now != e]
-            detail = f" (and the conditions {flipped} flip there)" if flipped else ""
-            yield Mismatch("special", *self._first(name), "verified sizes", size, detail)
+        involved = set(unusual)
+        for i in flipped:
+            involved |= self._reads[i]
+        if (tuple(sorted((d, sizes[d]) for d in involved)), outcomes) in self._points:
+            return  # verified against eager at this point
+        for name, size in unusual.items():
+            lo, hi = self._bounds.get(name, (0, None))
+            kind = "range" if size < lo or (hi is not None and size > hi) else "special"
+            yield Mismatch(kind, *self._first(name), _interval(lo, hi) if kind == "range" else "verified", size)
+        for i in flipped:
+            tree, expected = self.conditions[i]
+            yield Mismatch("condition", None, None, expected, outcomes[i], f"{render(tree, self.names)} was "
+                           f"{expected}, now {outcomes[i]}")
+
+    def _unusual(self, sizes: dict[str, int]) -> dict[str, int]:
+        """Dims whose size the graph was not traced for: outside their range, or (in process)
+        below 2 (see ``verify_small``)."""
+        unusual = {}
+        for name, size in sizes.items():
+            if name.startswith(_NUMBER):
+                continue
+            lo, hi = self._bounds.get(name, (0, None))
+            if size < lo or (hi is not None and size > hi) or (self.verify_small and size < SPECIAL_BELOW):
+                unusual[name] = size
+        return unusual
+
+    def _dims_read(self, tree: Sequence[Any]) -> frozenset[str]:
+        """The dim names a condition tree reads (static axes and numbers read none)."""
+        if tree[0] == "size":
+            shape = self.inputs[tree[1]].shape
+            dim = shape[tree[2]] if shape is not None else None
+            return frozenset([dim]) if isinstance(dim, str) else frozenset()
+        if tree[0] == "num":  # a lifted number: its value pins a verified point like a size
+            return frozenset([_NUMBER + self.inputs[tree[1]].name])
+        if tree[0] == "const":
+            return frozenset()
+        return frozenset().union(*(self._dims_read(child) for child in tree[1:]))
 
     def _first(self, dim: str) -> tuple[str | None, int | None]:
         """The first input and axis that carry a dim name."""
@@ -273,13 +313,20 @@ class Guard:
                 return rule.name, rule.shape.index(dim)
         return None, None
 
+    def bounds(self, dim: str) -> tuple[int, int | None]:
+        """The size range the exporter assumed for a dim (``(0, None)``: any)."""
+        return self._bounds.get(dim, (0, None))
+
     def _sizes(self, feeds: Sequence[Any]) -> dict[str, int]:
+        """Each dim name's size in these feeds, and each lifted number's value (``#name``)."""
         sizes: dict[str, int] = {}
         for rule, feed in zip(self.inputs, feeds):
-            if rule.shape is not None:
-                for want, got in zip(rule.shape, feed.shape):
-                    if type(want) is not int:
-                        sizes.setdefault(want, got)
+            if rule.shape is None:
+                sizes[_NUMBER + rule.name] = int(feed)
+                continue
+            for want, got in zip(rule.shape, feed.shape):
+                if type(want) is not int:
+                    sizes.setdefault(want, got)
         return sizes
 
     # ----------------------------------------------------------------------------- shipped form
@@ -291,7 +338,8 @@ class Guard:
             "inputs": [_rule_json(r) for r in self.inputs],
             "ranges": {name: [lo, hi] for name, lo, hi in self.ranges},
             "conditions": [{"when": _tree_json(t), "is": v} for t, v in self.conditions],
-            "specials": [{"sizes": dict(s.sizes), "outcomes": list(s.outcomes)} for s in self.specials],
+            "verified": [{"sizes": dict(v.sizes), "outcomes": list(v.outcomes)} for v in self.verified],
+            "example": dict(self.example),
         }
 
     @classmethod
@@ -304,13 +352,22 @@ class Guard:
             inputs = tuple(_rule_from(r) for r in data["inputs"])
             ranges = tuple((str(n), int(lo), None if hi is None else int(hi)) for n, (lo, hi) in data.get("ranges", {}).items())
             conditions = tuple((_tree_from(c["when"], len(inputs)), _scalar(c["is"])) for c in data.get("conditions", []))
-            specials = tuple(
-                Special(tuple(sorted((str(k), int(v)) for k, v in s["sizes"].items())), tuple(map(_scalar, s["outcomes"])))
-                for s in data.get("specials", [])
+            verified = tuple(
+                Verified(tuple(sorted((str(k), int(v)) for k, v in p["sizes"].items())), tuple(map(_scalar, p["outcomes"])))
+                for p in data.get("verified", [])
             )
-        except (KeyError, TypeError, ValueError) as e:
+            example = tuple((str(k), int(v)) for k, v in data.get("example", {}).items())
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"guard: malformed ({type(e).__name__}: {e})") from None
-        return cls(inputs, ranges, conditions, specials)
+        return cls(inputs, ranges, conditions, verified, example)
+
+
+def _is_integer(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, np.integer)):
+        return True
+    return getattr(value, "shape", None) == () and "int" in str(getattr(value, "dtype", ""))
 
 
 def _interval(lo: int | None, hi: int | None) -> str:

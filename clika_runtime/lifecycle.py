@@ -29,7 +29,7 @@ from clika_runtime.key import CallKey, Unkeyable
 from clika_runtime.sharing import TARGETS
 from clika_runtime.planning import (
     Call, CapturePlan, Decision, Eager, GiveUp, Options, Serve, Verify, decide, learned, learned_static, over_budget,
-    special_static, unlifted,
+    unlifted, variant_static,
 )
 from clika_runtime.table import CacheTable, State, fallen_back, fresh, rewatched, with_capture, with_replaced, without
 from clika_runtime.verify import first_mismatch
@@ -173,8 +173,9 @@ class Lifecycle:
         return out
 
     def _build(self, plan: CapturePlan, out: Any) -> _Attempt:
-        """Build, retrying with less asked of the exporter: numbers baked, then (for sizes 0/1)
-        those dims static, or (for drifted axes) the learned axes static. The last error is raised."""
+        """Build, retrying with less asked of the exporter: numbers baked, then (for a variant) its
+        own axes static, or (for drifted axes) the learned axes static for the function. The last
+        error is raised."""
         watch_registrations()
         notes: list[str] = []
         static_axes: list[tuple[str, int]] = []
@@ -189,11 +190,11 @@ class Lifecycle:
                     plan, names = step
                     notes.append(f"numbers {names} stay baked: the exporter could not lift them ({hints.first_line(error)})")
                     continue
-                if plan.special:
-                    retry = special_static(plan)
+                if plan.variant:
+                    retry = variant_static(plan)
                     if retry is None:
                         raise
-                    notes.append(f"sizes below 2 exported static for this variant ({hints.first_line(error)})")
+                    notes.append(f"a variant exported static ({hints.first_line(error)})")
                     plan = retry
                     continue
                 given_up = learned_static(plan)
@@ -230,7 +231,7 @@ class Lifecycle:
     # ------------------------------------------------------------------------------ verifying
 
     def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int) -> Any:
-        """Sizes 0/1 on a dynamic axis: keep the dynamic graph if it agrees with eager there."""
+        """Sizes the graph was not traced for: keep it for them if it agrees with eager there."""
         plan, capture = decision.otherwise, decision.capture
         out, mutated = self._eager(plan.call, args, kwargs)
         if mutated:
@@ -252,8 +253,9 @@ class Lifecycle:
             why = over_budget(table, plan, self.options)
         if why is not None:
             return self._give_up(why, generation, lambda: out)
-        plan = CapturePlan(plan.call, plan.dynamic, plan.declared, f"{plan.reason} ({problem})", variant=True,
-                           special=True)
+        plan = CapturePlan(plan.call, plan.dynamic, plan.declared,
+                           f"{plan.reason}; the graph disagrees with eager there ({problem})", variant=True,
+                           untied=plan.untied)
         return self._capture(plan, args, kwargs, generation, out, eager_done=True)
 
     # -------------------------------------------------------------------------------- helpers

@@ -116,13 +116,19 @@ class CapturePlan:
     """Capture from this call: the dynamic axes to ask the exporter for, why, and where it goes.
 
     ``reason`` is ``None`` for the first capture since ``reset()``; ``replaces`` holds the captures
-    the new one supersedes; ``variant`` keeps it beside the key's other captures; ``special``
-    marks a capture made for sizes 0/1 a dynamic graph did not handle (its failures never make
-    the function's dynamic axes static).
+    the new one may supersede (those whose calls its guard accepts); ``variant`` marks a graph
+    for sizes or a branch side another capture of the key does not serve: it joins the key's
+    captures, teaches nothing about the function's dynamic axes, and when it cannot be exported
+    dynamic it is exported static, alone.
 
     An axis whose size in this call is 0 or 1 is exported static unless the user declared it
     dynamic: the exporter treats a dynamic size as "not 1" (broadcasting), so a graph traced from
     a size-1 example with that axis dynamic does not describe the example itself.
+
+    ``ties`` (derived) are the dynamic axes traced as one size: axes the user named alike, and
+    axes at the same position of different inputs with equal sizes in this call (``input_ids``
+    and ``attention_mask``: models often relate them only through indexing, which the exporter
+    cannot see), but for pairs in ``untied`` (seen at different sizes before).
     """
 
     call: Call
@@ -131,7 +137,8 @@ class CapturePlan:
     reason: str | None
     replaces: tuple["Capture", ...] = ()
     variant: bool = False
-    special: bool = False
+    untied: frozenset[frozenset[tuple[str, int]]] = frozenset()
+    ties: tuple[tuple[tuple[int, int], ...], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         exportable = tuple(
@@ -140,6 +147,29 @@ class CapturePlan:
             for axes, declared, value in zip(self.dynamic, self.declared, self.call.feeds)
         )
         object.__setattr__(self, "dynamic", exportable)
+        object.__setattr__(self, "ties", _ties(self))
+
+
+def _ties(plan: CapturePlan) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Groups of (feed index, axis) to trace as one size (see ``CapturePlan``)."""
+    groups: dict[Any, list[tuple[int, int]]] = {}
+    for i, (axes, value) in enumerate(zip(plan.dynamic, plan.call.feeds)):
+        if not isinstance(value, _Tensor):
+            continue
+        for axis, name in axes.items():
+            key = ("named", name) if name else ("position", axis, value.shape[axis])
+            groups.setdefault(key, []).append((i, axis))
+    names = plan.call.names
+    ties = []
+    for members in groups.values():
+        group = [members[0]]
+        for i, axis in members[1:]:
+            pairs = (frozenset({(names[i], axis), (names[j], b)}) for j, b in group)
+            if i not in {j for j, _ in group} and not any(p in plan.untied for p in pairs):
+                group.append((i, axis))
+        if len(group) > 1:
+            ties.append(tuple(group))
+    return tuple(ties)
 
 
 @dataclass(frozen=True)
@@ -176,25 +206,37 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     if lift_reasons and call.key in table.entries:
         return decide(table, call, options, owner)
     reason = "; ".join(lift_reasons) or table.pending or _key_change(table, call)
-    plan = CapturePlan(call, _initial_dynamic(table, call, options), declared_axes(call, options), reason)
+    plan = CapturePlan(call, _initial_dynamic(table, call, options), declared_axes(call, options), reason,
+                       untied=table.knowledge.untied)
     return _budgeted(table, plan, options)
 
 
+# Mismatches that a graph may be verified past (the eager result of the miss is in hand): sizes it
+# was not traced for, and branches that flip. Past MAX_POINTS verified points, a variant is traced.
+VERIFIABLE = frozenset({"special", "range", "condition"})
+MAX_POINTS = 4
+
+
 def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], options: Options) -> Decision:
-    """A call whose key is cached but whose sizes no capture of it accepts."""
+    """A call whose key is cached but whose sizes no capture of it accepts: verify the newest
+    capture it only lies outside of, else trace a variant beside it, else (a static size drifted)
+    re-capture with the drifted axes dynamic."""
     found = [(c, c.guard.mismatches(call.feeds)) for c in reversed(variants)]  # newest first
     declared = declared_axes(call, options)
     for capture, problems in found:
-        if {p.kind for p in problems} == {"special"}:
-            reason = f"sizes {_sizes_text(capture, call)} not served by the dynamic graph"
-            otherwise = CapturePlan(call, capture.dynamic, declared, reason, variant=True, special=True)
-            return Verify(capture, otherwise)
-    for capture, problems in found:
-        if {p.kind for p in problems} <= {"condition", "range", "number", "special"}:
+        if {p.kind for p in problems} <= VERIFIABLE:
             reason = "; ".join(str(p) for p in problems)
-            plan = CapturePlan(call, capture.dynamic, declared, reason, variant=True)
+            variant = CapturePlan(call, capture.dynamic, declared, reason, variant=True, untied=table.knowledge.untied)
+            if len(capture.guard.verified) < MAX_POINTS:
+                return Verify(capture, variant)
+            return _budgeted(table, variant, options)
+    for capture, problems in found:
+        if {p.kind for p in problems} <= VERIFIABLE | {"number"}:
+            plan = CapturePlan(call, capture.dynamic, declared, "; ".join(str(p) for p in problems), variant=True,
+                               untied=table.knowledge.untied)
             return _budgeted(table, plan, options)
-    capture, problems = min(found, key=lambda pair: sum(p.kind == "size" for p in pair[1]))
+    capture, problems = min(found, key=lambda pair: (sum(p.kind != "size" for p in pair[1]),
+                                                     sum(p.kind == "size" for p in pair[1])))
     drifted = [dict(axes) for axes in capture.dynamic]
     for p in problems:
         if p.kind == "size":
@@ -202,12 +244,20 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     dynamic = tuple(_without_static(table, d, n, k) for d, n, k in zip(drifted, call.names, declared))
     reasons = [f"shape drift: input '{p.input}' axis {p.axis}: {p.expected} -> {p.got}" if p.kind == "size" else str(p)
                for p in problems]
-    plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(variants))
+    untied = table.knowledge.untied | _split(capture, problems, call)
+    plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(variants), untied=untied)
     return _budgeted(table, plan, options)
 
 
-def _sizes_text(capture: "Capture", call: Call) -> str:
-    return ", ".join(f"{name}={size}" for name, size in capture.guard.special_sizes(call.feeds))
+def _split(capture: "Capture", problems: Sequence[Any], call: Call) -> frozenset[frozenset[tuple[str, int]]]:
+    """Axes a capture traced as one size that this call gives different sizes: never tie them again."""
+    pairs = set()
+    for p in problems:
+        if p.kind == "equal":
+            dim = capture.guard.inputs[call.names.index(p.input)].shape[p.axis]
+            first = next((r.name, r.shape.index(dim)) for r in capture.guard.inputs if r.shape and dim in r.shape)
+            pairs.add(frozenset({first, (p.input, p.axis)}))
+    return frozenset(pairs)
 
 
 def _budgeted(table: CacheTable, plan: CapturePlan, options: Options) -> Decision:
@@ -273,15 +323,12 @@ def _without_static(table: CacheTable, axes: Mapping[int, Any], name: str, decla
     return {a: n for a, n in axes.items() if a in declared or (name, a) not in static}
 
 
-def special_static(plan: CapturePlan) -> CapturePlan | None:
-    """A special-size capture that failed dynamic: the same, with the dims below 2 static."""
-    dynamic = []
-    changed = False
-    for axes, declared, value in zip(plan.dynamic, plan.declared, plan.call.feeds):
-        keep = {a: n for a, n in axes.items() if not (isinstance(value, _Tensor) and value.shape[a] < SPECIAL_BELOW)}
-        changed = changed or len(keep) != len(axes)
-        dynamic.append(keep)
-    return replace(plan, dynamic=tuple(dynamic)) if changed else None
+def variant_static(plan: CapturePlan) -> CapturePlan | None:
+    """A variant that failed dynamic: the same with only declared axes dynamic (``None`` when
+    nothing else was asked)."""
+    if all(set(axes) <= set(declared) for axes, declared in zip(plan.dynamic, plan.declared)):
+        return None
+    return replace(plan, dynamic=tuple(dict(k) for k in plan.declared))
 
 
 def learned_static(plan: CapturePlan) -> tuple[CapturePlan, list[tuple[str, int]]] | None:
@@ -300,7 +347,7 @@ def learned(
     """What a successful capture teaches: its dynamic axes by input name, its lifted numbers, and
     what its retries gave up (axes exported static, numbers the exporter could not lift)."""
     learned_axes = dict(knowledge.learned)
-    if options.dynamic is None and not plan.special:
+    if options.dynamic is None and not plan.variant:
         for name, value, axes in zip(plan.call.names, plan.call.feeds, plan.dynamic):
             if isinstance(value, _Tensor):
                 learned_axes[name] = MappingProxyType(dict(axes))
@@ -315,7 +362,7 @@ def learned(
         never[structure] = never.get(structure, frozenset()) | unliftable
     return Knowledge(
         learned=MappingProxyType(learned_axes), static_axes=knowledge.static_axes | frozenset(static_axes),
-        lifted=MappingProxyType(lifted), unliftable=MappingProxyType(never),
+        lifted=MappingProxyType(lifted), unliftable=MappingProxyType(never), untied=knowledge.untied | plan.untied,
     )
 
 

@@ -51,7 +51,7 @@ class ServedGraph:
         self._inputs = found.inputs if found else None
         self._outputs = found.outputs if found else None
         self._parameters = found.parameters if found else []
-        self._guard = found.guard if found and found.guard else _declared_guard(self._session)
+        self._guard = found.guard if found and found.guard else declared_guard(self._session)
         self._types = treedesc.allowed_types(output_types)
         self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
         self._numpy_unfit = [o.name for o in self._session.get_outputs() if o.type == "tensor(bfloat16)"]
@@ -197,8 +197,8 @@ def _open(model: bytes | str, place: serving.Place, where: str) -> Any:
         raise GraphFileError(f"{where}: onnxruntime cannot load it (truncated or corrupt?): {message}") from e
 
 
-def _declared_guard(session: Any) -> Guard:
-    """The guard of a graph without ours: its declared input dtypes and shapes."""
+def declared_guard(session: Any) -> Guard:
+    """The guard of a graph without ours (another tool's): its declared input dtypes and shapes."""
     rules = []
     for i in session.get_inputs():
         dtype = serving.DTYPE_NAMES.get(i.type, i.type)

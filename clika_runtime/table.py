@@ -43,12 +43,14 @@ class Knowledge:
     ``static_axes``: (input, axis) the exporter could not make dynamic at a regular size.
     ``lifted`` / ``unliftable``: per input structure, leaf positions of Python numbers fed to the
     graph, and of numbers the exporter could not lift.
+    ``untied``: pairs of (input, axis) seen at different sizes, never again traced as one size.
     """
 
     learned: Mapping[str, Mapping[int, str | None]] = field(default_factory=lambda: MappingProxyType({}))
     static_axes: frozenset[tuple[str, int]] = frozenset()
     lifted: Mapping[Any, frozenset[int]] = field(default_factory=lambda: MappingProxyType({}))
     unliftable: Mapping[Any, frozenset[int]] = field(default_factory=lambda: MappingProxyType({}))
+    untied: frozenset[frozenset[tuple[str, int]]] = frozenset()
 
 
 @dataclass(frozen=True)

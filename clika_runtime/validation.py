@@ -6,6 +6,7 @@ numpy only at run time (torch is not needed): this is what ``clika-runtime valid
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -15,10 +16,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 import serving
+from clika_runtime import metadata
 from clika_runtime.errors import GraphFileError, PlaceError
+from clika_runtime.guards import Guard
 from serving import DTYPE_NAMES as ONNX_TYPE_NAMES
 
-DEFAULT_SIZES = (1, 3, 8)
+logger = logging.getLogger("clika_runtime")
 
 
 
@@ -78,9 +81,15 @@ def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
         dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in tensor.shape.dim]
         return {"name": value.name, "dtype": onnx.TensorProto.DataType.Name(tensor.elem_type).lower(), "dims": dims}
 
+    from clika_runtime.describe import describe_graph
+    from clika_runtime.graph import check_external_data
+
+    check_external_data(model, path)
     nodes = list(model.graph.node)
     data = [path.parent / location for location in _external_files(model)]
+    description = describe_graph(model, str(path))
     return {
+        "capture": {"key": description.key, "guard": description.guard},
         "path": str(path),
         "graph_name": model.graph.name,
         "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
@@ -101,6 +110,10 @@ def _external_files(model: Any) -> list[str]:
 def format_inspection(info: Mapping[str, Any]) -> str:
     """A readable table of ``inspect_graph``'s result."""
     lines = [f"graph {info['graph_name']!r}  ({info['path']}, {info['size_bytes']:,} bytes)"]
+    if info["capture"]["key"]:
+        lines.append(f"captured for: {info['capture']['key']}")
+    if info["capture"]["guard"]:
+        lines.append(f"guard: {info['capture']['guard']}")
     lines.append("opset: " + ", ".join(f"{d} {v}" for d, v in info["opset"].items()))
     for kind in ("inputs", "outputs"):
         lines.append(f"{kind}:")
@@ -160,16 +173,28 @@ def validate_graph(
     except Exception as e:
         report.add(f"loads in onnxruntime on {place}", False, _first_line(e))
         return report
+    guard = _guard(session, str(path))
     graph_dims = _dim_names(session)
-    sizes = {name: list(DEFAULT_SIZES) for name in graph_dims}
+    sizes = {name: _default_sizes(guard, name) for name in graph_dims}
     unknown = sorted(set(dims or {}) - set(graph_dims))
     if unknown:
         raise ValueError(f"--dims: unknown dim name(s) {unknown}; this graph's dynamic dims are {sorted(graph_dims)}")
     sizes.update({k: list(v) for k, v in (dims or {}).items()})
     rng = np.random.default_rng(seed)
+    refused = []
     for assignment in _assignments(sizes):
         label = ", ".join(f"{k}={v}" for k, v in assignment.items()) or "static shapes"
-        report.add(f"runs at {label}", *_run_once(session, assignment, rng))
+        feeds = _feeds(session, guard, assignment, rng)
+        problem = guard.check([feeds[i.name] for i in session.get_inputs()])
+        if problem is not None and not any(k in (dims or {}) for k in assignment):
+            refused.append(f"{label} ({problem})")  # a default size the graph's guard rules out: not run
+            continue
+        if problem is not None:
+            report.add(f"runs at {label}", False, f"outside the graph's guard: {problem}")
+            continue
+        report.add(f"runs at {label}", *_run_once(session, feeds, assignment))
+    if refused:
+        logger.info("validate %s: default sizes outside the graph's guard, not run: %s", path, "; ".join(refused))
     if reference is not None:
         report.add("matches reference outputs", *_compare_reference(session, reference, rtol, atol))
     return report
@@ -190,6 +215,27 @@ def _check_triton_folder(folder: Path, report: Report) -> Path | None:
     if not problems:
         report.add("triton model folder", True, f"config.pbtxt agrees with version {version}: {model}")
     return model
+
+
+def _guard(session: Any, where: str) -> Guard:
+    """The graph's shipped guard, or one read from its declared input shapes."""
+    from clika_runtime.served import declared_guard
+
+    found = metadata.read(serving.metadata(session), where)
+    return found.guard if found is not None and found.guard is not None else declared_guard(session)
+
+
+def _default_sizes(guard: Guard, dim: str) -> list[int]:
+    """Sizes to run a dim at: the capture's example and sizes around it, inside the dim's range
+    (1, 3, 8 when the graph says nothing)."""
+    lo, hi = guard.bounds(dim)
+    example = dict(guard.example).get(dim)
+    if example is None:
+        candidates = [max(lo, 1), max(lo, 3), max(lo, 8)]
+    else:
+        candidates = [example, example + 1, example * 2, max(lo, 1)]
+    sizes = sorted({c for c in candidates if hi is None or c <= hi})
+    return sizes or [lo]
 
 
 def _dim_names(session: Any) -> list[str]:
@@ -218,22 +264,35 @@ def _assignments(sizes: Mapping[str, Sequence[int]]) -> list[dict[str, int]]:
     return unique
 
 
-def _run_once(session: Any, assignment: Mapping[str, int], rng: np.random.Generator) -> tuple[bool, str]:
+def _feeds(session: Any, guard: Guard, assignment: Mapping[str, int], rng: np.random.Generator) -> dict[str, Any]:
+    """Generated inputs at these dim sizes: random floats, small non-negative ints (valid indices
+    for embeddings and gathers alike), lifted numbers at their capture value."""
+    example = dict(guard.example)
     feeds = {}
     for value in session.get_inputs():
         name = ONNX_TYPE_NAMES.get(value.type)
         dtype = np.dtype(name).type if name and name != "bfloat16" and not name.startswith("complex") else None
         if dtype is None:
-            return False, f"input '{value.name}': type {value.type} cannot be generated"
+            feeds[value.name] = None
+            continue
         shape = [assignment.get(d, 1) if isinstance(d, str) or d is None else d for d in value.shape]
-        if np.issubdtype(dtype, np.floating):
+        if not shape and f"#{value.name}" in example:
+            feeds[value.name] = np.asarray(example[f"#{value.name}"], dtype=dtype)
+        elif np.issubdtype(dtype, np.floating):
             feeds[value.name] = rng.standard_normal(shape).astype(dtype)
         elif dtype is np.bool_:
             feeds[value.name] = rng.random(shape) > 0.5
-        else:  # small non-negative ints are valid indices for embeddings and gathers alike
+        else:
             feeds[value.name] = rng.integers(0, 2, size=shape).astype(dtype)
+    return feeds
+
+
+def _run_once(session: Any, feeds: Mapping[str, Any], assignment: Mapping[str, int]) -> tuple[bool, str]:
+    missing = [name for name, value in feeds.items() if value is None]
+    if missing:
+        return False, f"input(s) {missing}: a type that cannot be generated"
     try:
-        outs = session.run(None, feeds)
+        outs = session.run(None, dict(feeds))
     except Exception as e:
         return False, _first_line(e)
     problems = []

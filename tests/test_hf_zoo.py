@@ -9,17 +9,17 @@ read that record per family:
 
 - ``test_serves_like_eager``: every call returns what eager returns.
 - ``test_recaptures_once_per_drifting_axis``: ``State.Compiled`` at the end, at most one
-  re-capture per axis that drifts (sizes 0/1 on an axis already dynamic are served by the dynamic
-  graph, verified once against eager, never a new capture), and the calls that follow the drifts
-  (for text, the last three sizes of the prompt/decode pattern 8, 16, 1, 24, 1, 12, 5, 1, 30) never
-  reach the model.
+  re-capture per axis that drifts (sizes 0/1 on an axis already dynamic, and sizes past a branch
+  the dynamic graph handles, are verified once against eager on their first call and then served
+  by the dynamic graph, never a new capture), and the calls listed as served (for text, the last
+  three sizes of the prompt/decode pattern 8, 16, 1, 24, 1, 12, 5, 1, 30) never reach the model.
 - ``test_graph_names_equal_dims_alike_and_validates``: ``take_graph()`` names axes of equal size
-  alike (``attention_mask`` like ``input_ids``) and the saved graph passes
-  ``clika_runtime.validation.validate_graph`` with no ``dims``.
+  alike (``attention_mask`` like ``input_ids``; an output axis computed from input dims may carry
+  the expression, ``((pixel_values_dim2//8))*((pixel_values_dim3//8)) + 1``) and the saved graph
+  passes ``clika_runtime.validation.validate_graph`` with no ``dims``.
 
 Below them, plain-torch reproductions of each trap the families hit, a few lines each.
-Tests that fail today are ``xfail(strict=True)`` with the trap in their reason: they flip when the
-lifecycle is fixed. The findings behind each reason are in docs/HF-ZOO-FINDINGS.md.
+The findings behind each trap are in docs/HF-ZOO-FINDINGS.md.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Family:
     build: Callable[[], torch.nn.Module]
     calls: list[tuple[str, Callable[[], Inputs]]]
     budget: int  # re-captures a correct lifecycle needs: one per drifting axis (+ real branch sides)
-    served: tuple[int, ...]  # indices of calls that must be served without reaching the model
+    served: tuple[int, ...]  # calls served without reaching the model (not a first call at a new size 0/1)
     dims: dict[str, dict[int, str]]  # take_graph().dynamic_axes expected for these inputs / outputs
 
 
@@ -187,27 +187,27 @@ FAMILIES: dict[str, Family] = {
         _t5_encoder, _text_calls(lambda ids, mask: ((ids,), dict(attention_mask=mask, return_dict=True))),
         budget=2, served=TEXT_SERVED, dims=TEXT_DIMS,
     ),
-    # Image size drifts (non-square included), down to one patch (8x8), then batch. The budget holds
-    # one real branch side: at the training size (32x32) HF returns the position table without
-    # interpolating (`num_patches == num_positions and height == width`), a branch the trace took.
+    # Image size drifts (non-square included), down to one patch (8x8), then batch. One patch flips
+    # a condition of the trace (a view on the position table): verified once, then served.
     "vit": Family(
         _vit,
         _image_calls([(2, 32, 32), (2, 48, 48), (2, 16, 16), (2, 8, 8), (2, 24, 40), (3, 48, 48), (1, 32, 32),
                       (1, 8, 16), (1, 24, 40)], interpolate_pos_encoding=True),
-        budget=3, served=(2, 4, 7, 8),
+        budget=2, served=(2, 4, 8),
         dims={**PIXEL_DIMS, "last_hidden_state": {0: "pixel_values_dim0"}, "pooler_output": {0: "pixel_values_dim0"}},
     ),
     "resnet": Family(
         _resnet,
         _image_calls([(2, 32, 32), (2, 64, 64), (2, 40, 56), (3, 32, 32), (1, 32, 32), (1, 1, 1), (2, 8, 8)]),
-        budget=2, served=(2, 4, 5, 6), dims=PIXEL_DIMS,
+        budget=2, served=(2, 6), dims=PIXEL_DIMS,
     ),
-    # Audio length drifts down to one frame (20 and 25 samples), then batch.
+    # Audio length drifts down to one frame (20 and 25 samples: outside the exporter's range [30, inf],
+    # each verified once), then batch.
     "wav2vec2": Family(
         _wav2vec2,
         [(f"batch {b}, {n} samples", functools.partial(_audio, b, n))
          for b, n in [(2, 800), (2, 1600), (2, 20), (2, 1200), (2, 25), (3, 1000), (1, 400), (1, 20)]],
-        budget=2, served=(3, 4, 6),
+        budget=2, served=(3,),
         dims={"input_values": {0: "input_values_dim0", 1: "input_values_dim1"},
               "last_hidden_state": {0: "input_values_dim0"}},
     ),
@@ -215,7 +215,7 @@ FAMILIES: dict[str, Family] = {
     "whisper_encoder": Family(
         _whisper_encoder,
         [(f"batch {b}", functools.partial(_mels, b)) for b in (2, 3, 1, 4, 1, 2)],
-        budget=1, served=(2, 3, 4, 5),
+        budget=1, served=(3, 4, 5),
         dims={"input_features": {0: "input_features_dim0"}, "last_hidden_state": {0: "input_features_dim0"}},
     ),
 }
@@ -316,57 +316,20 @@ def zoo(request, tmp_path_factory) -> Run:
     return _run(request.param, tmp_path_factory.mktemp(request.param))
 
 
-# --------------------------------------------------------------------------------- what fails today
-
-KEYWORDS = ("keywords re-slotted into positional slots: HF's @merge_with_config_defaults then adds use_cache=... "
-            "as a keyword: TypeError: forward() got multiple values for argument 'use_cache'")
-LENGTH_ONE = ("size 1 on the dynamic seq axis: outside the exporter's range [2, inf] (HF sdpa's `q_length > 1`), "
-              "re-export at example 1 fails `is_causal ... SymBool` (or bakes size 1), axes made static, "
-              "thrash to the re-capture limit")
-BATCH_NAME = "attention_mask axis 0 named apart from input_ids axis 0 (the exporter never relates them): validate fails"
-VIEWED_NAMES = ("attention_mask axes 0 and 1 both named apart: mask.view(batch, -1) leaves only a deferred assert "
-                "(b_m * s_m) // b == s relating them: validate fails")
-XFAIL: dict[tuple[str, str], str] = {
-    ("serves", "gpt2"): KEYWORDS,
-    ("serves", "llama"): KEYWORDS,
-    ("recaptures", "bert"): LENGTH_ONE,
-    ("recaptures", "gpt2"): f"{KEYWORDS}; then {LENGTH_ONE}",
-    ("recaptures", "llama"): f"{KEYWORDS}; then {LENGTH_ONE}",
-    ("recaptures", "t5_encoder"): LENGTH_ONE,
-    ("recaptures", "vit"): "a one-patch image (8x8) flips a dead `patches == 1` condition: a re-capture, "
-                           "not the dynamic graph verified once",
-    ("recaptures", "wav2vec2"): "one frame (20-29 samples) is outside the exporter's range [30, inf] (sdpa's "
-                                "`q_length > 1` on frames): re-captured at one frame, then thrash",
-    ("graph", "bert"): f"{LENGTH_ONE} (no graph to take); then {BATCH_NAME}",
-    ("graph", "gpt2"): f"{KEYWORDS}; then {LENGTH_ONE}; then {VIEWED_NAMES}",
-    ("graph", "llama"): f"{KEYWORDS}; then {LENGTH_ONE}; then {BATCH_NAME}",
-    ("graph", "t5_encoder"): f"{LENGTH_ONE}; then {BATCH_NAME}",
-    ("graph", "vit"): "validate_graph runs pixel_values_dim2/3 at 1 and 3, below the 8-pixel patch kernel: "
-                      "the saved graph carries no size ranges",
-    ("graph", "wav2vec2"): "validate_graph runs input_values_dim1 at 1, 3 and 8 samples, below the 20 a conv "
-                           "stack needs: the saved graph carries no size ranges",
-}
-
-
-def _families(test: str) -> list:
-    params = []
-    for name in FAMILIES:
-        reason = XFAIL.get((test, name))
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        params.append(pytest.param(name, id=name, marks=marks))
-    return params
+def _families() -> list:
+    return [pytest.param(name, id=name) for name in FAMILIES]
 
 
 # ------------------------------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("zoo", _families("serves"), indirect=True)
+@pytest.mark.parametrize("zoo", _families(), indirect=True)
 def test_serves_like_eager(zoo: Run):
     bad = [r for r in zoo.records if r.error or r.mismatch]
     assert not bad, zoo.story()
 
 
-@pytest.mark.parametrize("zoo", _families("recaptures"), indirect=True)
+@pytest.mark.parametrize("zoo", _families(), indirect=True)
 def test_recaptures_once_per_drifting_axis(zoo: Run):
     assert zoo.state is State.Compiled, zoo.story()
     assert zoo.recapture_count <= zoo.family.budget, zoo.story()
@@ -374,11 +337,16 @@ def test_recaptures_once_per_drifting_axis(zoo: Run):
     assert not reached, f"these calls reached the model: {reached}\n{zoo.story()}"
 
 
-@pytest.mark.parametrize("zoo", _families("graph"), indirect=True)
+@pytest.mark.parametrize("zoo", _families(), indirect=True)
 def test_graph_names_equal_dims_alike_and_validates(zoo: Run):
     assert zoo.dims is not None, f"take_graph(): {zoo.graph_error}\n{zoo.story()}"
+    inputs = {d for axes in zoo.dims.values() for d in axes.values() if d.isidentifier()}
     for name, axes in zoo.family.dims.items():
-        assert zoo.dims.get(name) == axes, f"{name}: {zoo.dims.get(name)}, expected {axes}; all: {zoo.dims}"
+        got = zoo.dims.get(name, {})
+        assert {a: got.get(a) for a in axes} == axes, f"{name}: {got}, expected {axes}; all: {zoo.dims}"
+        extra = {a: d for a, d in got.items() if a not in axes}
+        assert all(not d.isidentifier() for d in extra.values()), f"{name}: unexpected dim names {extra}"
+    assert inputs, zoo.dims
     assert zoo.validation.passed, zoo.validation.table()
 
 
@@ -391,7 +359,6 @@ def _counted(module: torch.nn.Module) -> list[int]:
     return calls
 
 
-@pytest.mark.xfail(strict=True, reason=KEYWORDS)
 def test_trap_keywords_reach_the_target_as_called():
     def config_defaults(forward):  # what transformers' @merge_with_config_defaults does with use_cache
         @functools.wraps(forward)
@@ -419,7 +386,6 @@ class _Sdpa(torch.nn.Module):
         return F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=is_causal)
 
 
-@pytest.mark.xfail(strict=True, reason=LENGTH_ONE)
 def test_trap_length_one_on_a_dynamic_axis_is_served_by_the_dynamic_graph():
     model = _Sdpa()
     calls = _counted(model)
@@ -434,8 +400,6 @@ def test_trap_length_one_on_a_dynamic_axis_is_served_by_the_dynamic_graph():
     assert calls[0] - before == 1  # the last call (1) was served: only the eager reference ran
 
 
-@pytest.mark.xfail(strict=True, reason="a `size > 1` branch is a range ([2, inf] / [0, 2]), not a condition: "
-                                       "each side replaces the other instead of joining the key's variants")
 def test_trap_sides_of_a_greater_than_one_branch_are_kept():
     class Branch(torch.nn.Module):
         def forward(self, x):
@@ -454,8 +418,6 @@ def test_trap_sides_of_a_greater_than_one_branch_are_kept():
     assert calls[0] == before
 
 
-@pytest.mark.xfail(strict=True, reason="silent wrong answer: the exporter drops a `size != 0` branch without a "
-                                       "trace (range [0, inf], no assert), the dynamic graph serves size 0")
 def test_trap_a_size_zero_branch_the_exporter_drops_is_not_served_wrong():
     def fn(x):
         w = torch.ones(2)
@@ -487,8 +449,8 @@ class _Viewed(_Gathered):
 
 
 @pytest.mark.parametrize("model", [
-    pytest.param(_Gathered, id="indexed", marks=pytest.mark.xfail(strict=True, reason=BATCH_NAME)),
-    pytest.param(_Viewed, id="viewed", marks=pytest.mark.xfail(strict=True, reason=VIEWED_NAMES)),
+    pytest.param(_Gathered, id="indexed"),
+    pytest.param(_Viewed, id="viewed"),
 ])
 def test_trap_mask_axes_of_equal_size_share_input_ids_names(model, tmp_path):
     f = cr.compile(model().eval())
@@ -501,8 +463,6 @@ def test_trap_mask_axes_of_equal_size_share_input_ids_names(model, tmp_path):
     assert report.passed, report.table()
 
 
-@pytest.mark.xfail(strict=True, reason="the fallback message reaches the console twice: warnings.warn and the "
-                                       "'clika_runtime' logger's WARNING through logging.lastResort")
 def test_trap_a_fallback_is_said_once_on_the_console():
     script = "import torch, clika_runtime as cr\ncr.compile(lambda x: x.add_(1))(torch.zeros(2))\n"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout, not whatever the venv installed

@@ -170,7 +170,7 @@ def test_a_shipped_graph_enforces_the_guard_its_capture_enforced(shipped_branch)
     np.testing.assert_array_equal(served(np.ones((5, 2), np.float32)), np.full((5, 2), 2.0, np.float32))
     with pytest.raises(GraphInputError, match=r"input 'x' axis 0: size 2 outside the graph's range \[3, inf\]"):
         served(np.ones((2, 2), np.float32))
-    with pytest.raises(GraphInputError, match=r"input 'x' axis 0: size 1 not yet verified"):
+    with pytest.raises(GraphInputError, match=r"input 'x' axis 0: size 1 outside the graph's range \[3, inf\]"):
         served(np.ones((1, 2), np.float32))
 
 
