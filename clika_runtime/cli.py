@@ -196,14 +196,19 @@ def _export(args: argparse.Namespace) -> int:
         options["signature"] = specs
         call_args, call_kwargs = tuple(_example(s) for s in specs), {}
     else:
-        example = _load_object(args.inputs)()
-        call_args, call_kwargs = example if _is_args_kwargs(example) else (tuple(example), {})
+        example = _load_object(args.inputs)
+        example = example() if callable(example) else example  # a function returning examples, or the examples
+        call_args, call_kwargs = example if _is_args_kwargs(example) else _as_args(example)
     f = CompiledFunction(target, **options)
     with torch.no_grad():
         f(*call_args, **call_kwargs)
     path = f.take_graph().save(args.out)
     print(f"saved {path} (inputs {f.input_names})")
     return 0
+
+
+def _as_args(example: Any) -> tuple[tuple, dict]:
+    return (tuple(example) if isinstance(example, (tuple, list)) else (example,)), {}
 
 
 def _is_args_kwargs(example: Any) -> bool:

@@ -48,12 +48,19 @@ def exporter_failure(error: BaseException) -> str:
         cause = cause.__cause__
     text = str(error).strip()
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith((" ", "\t"))][:3]
-    summary = " ".join(lines)[:500] or type(error).__name__
+    summary = _first_sentences(" ".join(lines)) or type(error).__name__
     lowered = (text + str(cause)).lower()
     if "data-dependent" in lowered or "datadependent" in lowered or "guardondatadependent" in lowered:
         return (f"{summary} -- the function branches on tensor values (e.g. `if x.sum() > 0:`), which one graph "
                 f"cannot hold: express the branch with torch.cond, or pass the condition as a static argument")
     return summary
+
+
+def _first_sentences(text: str, limit: int = 300) -> str:
+    """The start of an exporter message: up to the first sentence that ends past ``limit`` // 3
+    characters (torch appends advice meant for its own developers)."""
+    end = text.find(". ", limit // 3)
+    return (text[: end + 1] if 0 < end < limit else text[:limit]).strip()
 
 
 def disagreement(eager_out: Any, capture: Any) -> str:

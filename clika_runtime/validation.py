@@ -17,7 +17,7 @@ import numpy as np
 
 import serving
 from clika_runtime import metadata
-from clika_runtime.errors import GraphFileError, PlaceError
+from clika_runtime.errors import GraphFileError, GraphInputError, PlaceError
 from clika_runtime.guards import Guard
 from serving import DTYPE_NAMES as ONNX_TYPE_NAMES
 
@@ -149,6 +149,8 @@ def validate_graph(
 
     report = Report(str(path))
     path = Path(path)
+    if not path.exists():
+        raise GraphFileError(f"{path}: no such file")
     if (path / "config.pbtxt").is_file():
         path = _check_triton_folder(path, report)
         if path is None:
@@ -315,6 +317,10 @@ def _compare_reference(session: Any, reference: str | os.PathLike, rtol: float, 
         return False, f"cannot read reference {reference}: {_first_line(e)}"
     inputs = [i.name for i in session.get_inputs()]
     missing = [n for n in inputs if n not in data]
+    if not missing:  # arrays that do not fit the graph make the reference unusable, not the graph wrong
+        problem = _guard(session, str(reference)).check([data[n] for n in inputs])
+        if problem is not None:
+            raise GraphInputError(f"--reference {reference}: {problem}")
     if missing:
         return False, f"reference lacks input(s) {missing}; it holds {sorted(data.files)}"
     outs = session.run(None, {n: data[n] for n in inputs})

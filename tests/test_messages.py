@@ -1,0 +1,129 @@
+"""What users read: each message names the cause and the fix in one sentence, once; the CLI turns
+unusable input into one line and exit 2, a failing graph into exit 1."""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import clika_runtime as cr
+from clika_runtime import CaptureError
+from clika_runtime.cli import main as cli
+from clika_runtime.validation import save_reference
+
+
+class _Dropped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.linear(x))
+
+
+def test_a_training_mode_module_that_disagrees_is_told_to_call_eval():
+    f = cr.compile(_Dropped())  # left in training mode
+    with pytest.warns(UserWarning, match=r"values differ.*in training mode, where Dropout draws random numbers: "
+                                         r"call \.eval\(\)"):
+        with torch.no_grad():
+            f(torch.randn(4, 8))
+
+
+def test_a_data_dependent_branch_under_fullgraph_says_torch_cond_in_one_line():
+    def branchy(x):
+        return x * 2 if x.sum() > 0 else x - 1
+
+    with pytest.raises(CaptureError) as info:
+        cr.compile(branchy, fullgraph=True)(torch.ones(3))
+    message = str(info.value)
+    assert "torch.cond" in message and len(message.splitlines()) == 1 and len(message) < 600, message
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no FX dump chained below it
+
+
+def test_a_structure_change_names_the_argument_that_appeared():
+    f = cr.compile(lambda x, mask=None: x if mask is None else x * mask)
+    f(torch.ones(2))
+    f(torch.ones(2), mask=torch.ones(2))
+    assert f.recapture_reasons == ["new structure: 'mask' appeared"]
+
+
+def test_a_miss_is_explained_against_the_closest_key_not_the_last():
+    f = cr.compile(lambda x, mode: x + 1 if mode == "a" else x - 1)
+    f(torch.ones(2), "a")
+    f(torch.ones(2, dtype=torch.float64), "a")  # a second key
+    f(torch.ones(2), "b")  # closest to the first key: only the mode differs
+    assert f.recapture_reasons[-1] == "static value changed: 'mode' 'a' -> 'b'"
+
+
+def test_an_output_a_graph_cannot_return_names_its_type_and_the_fix():
+    class Vocabulary:
+        pass
+
+    f = cr.compile(lambda x: (x + 1, Vocabulary()))
+    with pytest.warns(UserWarning, match=r"output 1 is a Vocabulary, which a graph cannot return.*register the type"):
+        f(torch.ones(2))
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    f = cr.compile(lambda x: x.softmax(-1))
+    f(torch.randn(2, 4))
+    f(torch.randn(3, 4))
+    return f.take_graph().save(tmp_path_factory.mktemp("cli") / "softmax.onnx")
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate", "triton"])
+def test_a_missing_file_is_one_line_and_exit_2_in_every_command(command, tmp_path, capsys):
+    argv = [command, str(tmp_path / "missing.onnx")] + (["--repository", str(tmp_path)] if command == "triton" else [])
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "no such file" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_reference_that_does_not_fit_the_graph_is_unusable_input(saved, tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    save_reference(bad, {"x": np.ones((2, 5), np.float32)}, {"output": np.ones((2, 5), np.float32)})
+    assert cli(["validate", str(saved), "--reference", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --reference {bad}: input 'x' axis 1: expected size 4, got 5", err
+
+
+def test_export_takes_examples_as_a_value_or_a_function(tmp_path, monkeypatch):
+    (tmp_path / "examples_mod.py").write_text(textwrap.dedent("""
+        import torch
+        def model():
+            return torch.nn.Linear(4, 2).eval()
+        examples = (torch.randn(3, 4),)
+        def make():
+            return examples
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for inputs in ("examples_mod:examples", "examples_mod:make"):
+        out = tmp_path / f"{inputs.split(':')[1]}.onnx"
+        assert cli(["export", "examples_mod:model", "--inputs", inputs, "--out", str(out)]) == 0
+        assert cr.ModelGraph.load(out).input_names == ["input"]
+
+
+def test_each_warning_reaches_the_console_once():
+    import subprocess
+    import sys
+
+    script = "import torch, clika_runtime as cr\ncr.compile(lambda x: x.add_(1))(torch.zeros(2))\n"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("serves eagerly until reset()") == 1, result.stderr
+
+
+def test_warnings_point_at_the_users_line():
+    f = cr.compile(lambda x: x.add_(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f(torch.zeros(2))
+    assert caught and caught[0].filename == __file__
