@@ -26,11 +26,20 @@ def keep_insertion_order(namespace: str) -> None:
     wraps (``optree._C.set_dict_insertion_ordered``) is what we need for the whole process. Where
     that private call is gone, the public context manager is entered once and never left.
     """
-    setter = getattr(getattr(optree, "_C", None), "set_dict_insertion_ordered", None)
+    setter = _private_setter()
     if setter is not None:
         setter(True, namespace)
-    else:
-        optree.dict_insertion_ordered(True, namespace=namespace).__enter__()
+    else:  # kept referenced: a collected context manager would restore the old mode
+        entered = optree.dict_insertion_ordered(True, namespace=namespace)
+        entered.__enter__()
+        _ENTERED.append(entered)
+
+
+_ENTERED: list[Any] = []
+
+
+def _private_setter() -> Callable[[bool, str], None] | None:
+    return getattr(getattr(optree, "_C", None), "set_dict_insertion_ordered", None)
 
 
 keep_insertion_order(NAMESPACE)

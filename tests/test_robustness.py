@@ -1,0 +1,88 @@
+"""Nothing lost: any failure while capturing leaves the caller with the eager result (or a
+``CaptureError`` under ``fullgraph=True``); every private API we use has a working public fallback;
+graphs handed out are the caller's to change."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+
+import clika_runtime as cr
+import exporters.graph_edits
+import serving
+from clika_runtime import CaptureError, capture, trees
+from conftest import current
+
+State = cr.CompiledFunction.State
+
+
+def _boom(*args, **kwargs):
+    raise KeyError("an unexpected failure inside the library")
+
+
+@pytest.mark.parametrize("where", [(exporters.graph_edits, "name_dims"), (capture.serving, "TorchRunner"),
+                                   (capture.serving, "open_session"), (capture, "bake")],
+                         ids=["graph_edits", "runner", "session", "weights"])
+def test_an_unexpected_failure_while_capturing_returns_the_eager_result(where, monkeypatch):
+    module, name = where
+    monkeypatch.setattr(module, name, _boom)
+    f = cr.compile(lambda x: x * 3)
+    with pytest.warns(UserWarning, match="capture failed: .*an unexpected failure inside the library"):
+        torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 3.0))
+    assert f.state is State.Fallback and "an unexpected failure" in f.fallback_reason
+    g = cr.compile(lambda x: x * 3, fullgraph=True)
+    with pytest.raises(CaptureError, match="an unexpected failure inside the library"):
+        g(torch.ones(2))
+
+
+def test_without_torch_onnx_internals_the_public_export_is_used(monkeypatch):
+    from exporters import dynamo
+
+    monkeypatch.setattr(dynamo, "_exporter_with_registry", lambda: None)
+    f = cr.compile(lambda x: x.relu() + 1)
+    x = torch.randn(3)
+    f(x)
+    torch.testing.assert_close(f(x), x.relu() + 1)
+    assert f.state is State.Compiled
+
+
+def test_without_the_private_session_run_the_public_run_serves(monkeypatch):
+    monkeypatch.setattr(serving.runners, "_raw_run", lambda session: session.run)
+    f = cr.compile(lambda x: x.repeat(64, 1))  # large outputs: the numpy path, which uses the raw run
+    x = torch.randn(300, 4)
+    f(x)
+    assert current(f).parts.runner.path == "numpy"
+    torch.testing.assert_close(f(x), x.repeat(64, 1))
+
+
+def test_dicts_keep_insertion_order_without_optrees_private_switch(monkeypatch):
+    monkeypatch.setattr(trees, "_private_setter", lambda: None)  # an optree that moved its private switch
+    trees.keep_insertion_order("clika_runtime_test_fallback")
+    leaves, _ = optree.tree_flatten({"b": 1, "a": 2}, namespace="clika_runtime_test_fallback")
+    assert leaves == [1, 2]
+
+
+def test_a_taken_graph_is_the_callers_to_change():
+    f = cr.compile(lambda x: x + 1)
+    f(torch.ones(2))
+    kept = current(f).model_proto.SerializeToString()
+    for graph in f.graphs() + [f.take_graph()]:
+        del graph.model_proto.graph.node[:]  # the caller edits its copy
+        graph.model_proto.graph.name = "edited"
+    f.reset()
+    f(torch.ones(2))
+    assert current(f).model_proto.graph.name != "edited"
+    assert len(current(f).model_proto.graph.node) > 0 and kept
+
+
+def test_graphs_hands_out_every_capture_without_changing_what_is_served():
+    f = cr.compile(lambda x, mode: x + 1 if mode == "a" else x - 1)
+    x = torch.ones(2)
+    f(x, "a")
+    f(x, "b")
+    graphs = f.graphs()
+    assert len(graphs) == len(f.captures) == 2 and f.state is State.Compiled
+    assert [c.key for c in f.captures] == ["x: float32 on cpu, mode='a'", "x: float32 on cpu, mode='b'"]
+    torch.testing.assert_close(f(x, "b"), x - 1)
+    assert f.recapture_count == 1
