@@ -19,7 +19,7 @@ import torch
 import exporters
 import serving
 from clika_runtime import graph as graph_mod
-from clika_runtime import hints, hits, metadata, treedesc, trees
+from clika_runtime import guards, hints, hits, metadata, treedesc, trees
 from clika_runtime.calls import CallForms, original_slots
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError, VerificationError
@@ -92,7 +92,7 @@ class Capture:
         """The capture's graph to hand out: a copy, carrying the guard as it stands now (with
         the sizes 0/1 verified since the capture)."""
         graph = graph_mod.ModelGraph.copy_of(self.model_proto)
-        metadata.attach(graph.model_proto, {metadata.META_GUARD: self.guard.to_json()})
+        metadata.attach(graph.model_proto, {metadata.META_GUARD: guards.to_json(self.guard)})
         return graph
 
     def verified_at(self, feeds: Sequence[Any]) -> "Capture":
@@ -328,6 +328,6 @@ def _attach_metadata(
             metadata.META_OUTPUTS: treedesc.describe(out_spec, out_leaves),
             metadata.META_DIMS: {n: list(d) for n, d in zip(call.names, exported.input_dims)},
             metadata.META_PARAMETERS: list(parameters),
-            metadata.META_GUARD: guard.to_json(),
+            metadata.META_GUARD: guards.to_json(guard),
         },
     )

@@ -20,7 +20,8 @@ from clika_runtime.errors import PlaceError, StateError
 from clika_runtime.graph import ModelGraph
 from clika_runtime.planning import Options
 from clika_runtime.specs import DynamicAxes, PlaceLike, TensorSpec
-from clika_runtime.table import CacheTable, State, fallen_back, fresh
+from clika_runtime.table import CacheTable, State, fallen_back
+from clika_runtime.target import Target
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -95,8 +96,8 @@ class CompiledFunction(Generic[P, R]):
         if dynamic is False and (axes or any(not isinstance(d, int) for s in signature for d in s.shape)):
             raise ValueError("dynamic=False cannot be combined with dynamic_axes or dynamic signature dims")
         owner = _owner_module(target)
-        self._lifecycle = lifecycle.Lifecycle(
-            target=target,
+        wrapped = Target(
+            fn=target,
             owner=owner,
             forms=CallForms(target.forward if isinstance(target, torch.nn.Module) else target),
             options=Options(signature, dynamic, axes, specialize),
@@ -106,13 +107,13 @@ class CompiledFunction(Generic[P, R]):
             output_names=None if output_names is None else tuple(output_names),
             graph_name=graph_name or _default_name(target),
             name=getattr(target, "__name__", type(target).__name__),
-            lock=threading.RLock(),
         )
-        self._forms = self._lifecycle.forms
+        self._lifecycle = lifecycle.Lifecycle(wrapped, threading.RLock())
+        self._forms = wrapped.forms
         self._owner = owner
         self._shapes_in_key = dynamic is False
         self.__wrapped__ = target
-        self.__name__ = self._lifecycle.name
+        self.__name__ = wrapped.name
         self.__doc__ = getattr(target, "__doc__", None)
 
     # ------------------------------------------------------------------------------------ hot path
@@ -172,7 +173,7 @@ class CompiledFunction(Generic[P, R]):
         current = table.current()
         if current is not None or table.last_names:
             return list(current.names if current is not None else table.last_names)
-        signature = self._lifecycle.options.signature
+        signature = self._lifecycle.target.options.signature
         return [s.name for s in signature if s.name] if signature else []
 
     @property

@@ -152,7 +152,7 @@ class Guard:
         object.__setattr__(self, "_accept", accept)
         object.__setattr__(self, "_bounds", {name: (lo, hi) for name, lo, hi in self.ranges})
         object.__setattr__(self, "_points", frozenset((v.sizes, v.outcomes) for v in self.verified))
-        object.__setattr__(self, "_reads", tuple(self._dims_read(tree) for tree, _ in self.conditions))
+        object.__setattr__(self, "_reads", tuple(_dims_read(self.inputs, tree) for tree, _ in self.conditions))
         static = all(r.shape is not None and all(type(d) is int for d in r.shape) for r in self.inputs)
         exact = None
         if static and not self.conditions and self.device in (None, "cpu"):
@@ -276,7 +276,7 @@ class Guard:
         for name, size in unusual.items():
             lo, hi = self._bounds.get(name, (0, None))
             kind = "range" if size < lo or (hi is not None and size > hi) else "special"
-            yield Mismatch(kind, *self._first(name), _interval(lo, hi) if kind == "range" else "verified", size)
+            yield Mismatch(kind, *_first(self.inputs, name), _interval(lo, hi) if kind == "range" else "verified", size)
         for i in flipped:
             tree, expected = self.conditions[i]
             yield Mismatch("condition", None, None, expected, outcomes[i], f"{render(tree, self.names)} was "
@@ -294,25 +294,6 @@ class Guard:
                 unusual[name] = size
         return unusual
 
-    def _dims_read(self, tree: Sequence[Any]) -> frozenset[str]:
-        """The dim names a condition tree reads (static axes and numbers read none)."""
-        if tree[0] == "size":
-            shape = self.inputs[tree[1]].shape
-            dim = shape[tree[2]] if shape is not None else None
-            return frozenset([dim]) if isinstance(dim, str) else frozenset()
-        if tree[0] == "num":  # a lifted number: its value pins a verified point like a size
-            return frozenset([_NUMBER + self.inputs[tree[1]].name])
-        if tree[0] == "const":
-            return frozenset()
-        return frozenset().union(*(self._dims_read(child) for child in tree[1:]))
-
-    def _first(self, dim: str) -> tuple[str | None, int | None]:
-        """The first input and axis that carry a dim name."""
-        for rule in self.inputs:
-            if rule.shape is not None and dim in rule.shape:
-                return rule.name, rule.shape.index(dim)
-        return None, None
-
     def bounds(self, dim: str) -> tuple[int, int | None]:
         """The size range the exporter assumed for a dim (``(0, None)``: any)."""
         return self._bounds.get(dim, (0, None))
@@ -329,37 +310,61 @@ class Guard:
                     sizes.setdefault(want, got)
         return sizes
 
-    # ----------------------------------------------------------------------------- shipped form
 
-    def to_json(self) -> dict[str, Any]:
-        """The versioned JSON form that ships in a graph's metadata (no device: any place)."""
-        return {
-            "version": GUARD_VERSION,
-            "inputs": [_rule_json(r) for r in self.inputs],
-            "ranges": {name: [lo, hi] for name, lo, hi in self.ranges},
-            "conditions": [{"when": _tree_json(t), "is": v} for t, v in self.conditions],
-            "verified": [{"sizes": dict(v.sizes), "outcomes": list(v.outcomes)} for v in self.verified],
-            "example": dict(self.example),
-        }
+# ---------------------------------------------------------------------------------- shipped form
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Guard":
-        """Parse the shipped form; ``ValueError`` naming what is malformed."""
-        if not isinstance(data, Mapping) or data.get("version") != GUARD_VERSION:
-            version = data.get("version") if isinstance(data, Mapping) else None
-            raise ValueError(f"guard: unknown version {version!r} (this clika_runtime reads version {GUARD_VERSION})")
-        try:
-            inputs = tuple(_rule_from(r) for r in data["inputs"])
-            ranges = tuple((str(n), int(lo), None if hi is None else int(hi)) for n, (lo, hi) in data.get("ranges", {}).items())
-            conditions = tuple((_tree_from(c["when"], len(inputs)), _scalar(c["is"])) for c in data.get("conditions", []))
-            verified = tuple(
-                Verified(tuple(sorted((str(k), int(v)) for k, v in p["sizes"].items())), tuple(map(_scalar, p["outcomes"])))
-                for p in data.get("verified", [])
-            )
-            example = tuple((str(k), int(v)) for k, v in data.get("example", {}).items())
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"guard: malformed ({type(e).__name__}: {e})") from None
-        return cls(inputs, ranges, conditions, verified, example)
+
+def to_json(guard: Guard) -> dict[str, Any]:
+    """The versioned JSON form that ships in a graph's metadata (no device: any place)."""
+    return {
+        "version": GUARD_VERSION,
+        "inputs": [_rule_json(r) for r in guard.inputs],
+        "ranges": {name: [lo, hi] for name, lo, hi in guard.ranges},
+        "conditions": [{"when": _tree_json(t), "is": v} for t, v in guard.conditions],
+        "verified": [{"sizes": dict(v.sizes), "outcomes": list(v.outcomes)} for v in guard.verified],
+        "example": dict(guard.example),
+    }
+
+
+def from_json(data: Mapping[str, Any]) -> Guard:
+    """Parse the shipped form; ``ValueError`` naming what is malformed."""
+    if not isinstance(data, Mapping) or data.get("version") != GUARD_VERSION:
+        version = data.get("version") if isinstance(data, Mapping) else None
+        raise ValueError(f"guard: unknown version {version!r} (this clika_runtime reads version {GUARD_VERSION})")
+    try:
+        inputs = tuple(_rule_from(r) for r in data["inputs"])
+        ranges = tuple((str(n), int(lo), None if hi is None else int(hi)) for n, (lo, hi) in data.get("ranges", {}).items())
+        conditions = tuple((_tree_from(c["when"], len(inputs)), _scalar(c["is"])) for c in data.get("conditions", []))
+        verified = tuple(
+            Verified(tuple(sorted((str(k), int(v)) for k, v in p["sizes"].items())), tuple(map(_scalar, p["outcomes"])))
+            for p in data.get("verified", [])
+        )
+        example = tuple((str(k), int(v)) for k, v in data.get("example", {}).items())
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"guard: malformed ({type(e).__name__}: {e})") from None
+    return Guard(inputs, ranges, conditions, verified, example)
+
+
+def _first(inputs: Sequence[InputRule], dim: str) -> tuple[str | None, int | None]:
+    """The first input and axis that carry a dim name."""
+    for rule in inputs:
+        if rule.shape is not None and dim in rule.shape:
+            return rule.name, rule.shape.index(dim)
+    return None, None
+
+
+def _dims_read(inputs: Sequence[InputRule], tree: Sequence[Any]) -> frozenset[str]:
+    """The dim names a condition tree reads (static axes read none; a lifted number reads its
+    value, named ``#name``, which pins a verified point like a size)."""
+    if tree[0] == "size":
+        shape = inputs[tree[1]].shape
+        dim = shape[tree[2]] if shape is not None else None
+        return frozenset([dim]) if isinstance(dim, str) else frozenset()
+    if tree[0] == "num":
+        return frozenset([_NUMBER + inputs[tree[1]].name])
+    if tree[0] == "const":
+        return frozenset()
+    return frozenset().union(*(_dims_read(inputs, child) for child in tree[1:]))
 
 
 def _is_integer(value: Any) -> bool:

@@ -13,54 +13,28 @@ import logging
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
-import serving
-from clika_runtime import capture as capture_mod
-from clika_runtime import hints, trees
-from clika_runtime.calls import CallForms
+from clika_runtime import degrade, hints, trees
+from clika_runtime.capture import Capture
 from clika_runtime.config import config
-from clika_runtime.errors import CaptureError, SignatureValueError
+from clika_runtime.errors import CaptureError
 from clika_runtime.hits import RunFailed
 from clika_runtime.key import CallKey, Unkeyable
+from clika_runtime.planning import Call, CapturePlan, Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget
 from clika_runtime.sharing import TARGETS
-from clika_runtime.planning import (
-    Call, CapturePlan, Decision, Eager, GiveUp, Options, Serve, Verify, decide, learned, learned_static, over_budget,
-    unlifted, variant_static,
-)
 from clika_runtime.table import CacheTable, State, fallen_back, fresh, rewatched, with_capture, with_replaced, without
+from clika_runtime.target import Target
 from clika_runtime.verify import first_mismatch
-from clika_runtime.weights import watch_registrations
 
 logger = logging.getLogger("clika_runtime")
-_Tensor = torch.Tensor
-
-
-@dataclass
-class _Attempt:
-    """A capture that succeeded after retries: the plan that worked and what the retries gave up."""
-
-    capture: capture_mod.Capture
-    plan: CapturePlan
-    notes: list[str]
-    static_axes: list[tuple[str, int]]
-    unliftable: frozenset[int]
 
 
 class Lifecycle:
     """The mutable heart of one ``CompiledFunction``: its current table and the miss path."""
 
-    def __init__(
-        self, *, target: Callable[..., Any], owner: torch.nn.Module | None, forms: CallForms, options: Options,
-        fullgraph: bool, optimize: bool, place: serving.Place | None, output_names: tuple[str, ...] | None,
-        graph_name: str, name: str, lock: threading.RLock,
-    ) -> None:
-        self.target, self.owner, self.forms, self.options = target, owner, forms, options
-        self.fullgraph, self.optimize, self.place = fullgraph, optimize, place
-        self.output_names, self.graph_name, self.name, self.lock = output_names, graph_name, name, lock
+    def __init__(self, target: Target, lock: threading.RLock) -> None:
+        self.target, self.lock = target, lock
         self.table: CacheTable = fresh(0)
         self._inflight: set[tuple[int, CallKey]] = set()
         self._warned: set[str] = set()
@@ -79,15 +53,15 @@ class Lifecycle:
     def miss(self, args: tuple, kwargs: dict) -> Any:
         """Serve a call no hit served: plan under the lock, act outside it."""
         if TARGETS.exclusive_here():  # called inside an export in this thread: be traced through
-            return self.target(*args, **kwargs)
+            return self.target.fn(*args, **kwargs)
         with self.lock:
             decision, call, generation = self._decide(args, kwargs)
         if isinstance(decision, Serve):
             return self._serve(decision.capture, call, args, kwargs)
         if isinstance(decision, Eager):
-            return self.eager(args, kwargs)
+            return self.target.eager(args, kwargs)
         if isinstance(decision, GiveUp):
-            return self._give_up(decision.why, generation, lambda: self.eager(args, kwargs))
+            return self._give_up(decision.why, generation, lambda: self.target.eager(args, kwargs))
         plan = decision.otherwise if isinstance(decision, Verify) else decision
         token = (generation, plan.call.key)
         try:
@@ -98,15 +72,10 @@ class Lifecycle:
             with self.lock:
                 self._inflight.discard(token)
 
-    def eager(self, args: tuple, kwargs: dict) -> Any:
-        """The target's own result for the call as made (never under the function's lock)."""
-        with TARGETS.shared():
-            return self.target(*args, **kwargs)
-
     def run_failed(self, failed: RunFailed, args: tuple, kwargs: dict) -> Any:
         """A graph failed on inputs its guard accepted: drop it, serve this call as a miss."""
         if TARGETS.exclusive_here():  # fake tensors of an export in this thread, not a failure
-            return self.target(*args, **kwargs)
+            return self.target.fn(*args, **kwargs)
         with self.lock:
             why = f"the graph failed on these inputs ({hints.first_line(failed.error)}); re-captured from them"
             self.table = without(self.table, [failed.capture], pending=why)
@@ -118,18 +87,18 @@ class Lifecycle:
             return Eager(), None, table.generation
         trees.sync_registry()  # node types registered since the last miss flatten from now on
         table = self._weights_checked(table)
+        target = self.target
         try:
-            call = Call(self.forms, args, kwargs, self.owner, table.knowledge, self.options)
+            call = Call(target.forms, args, kwargs, target.owner, table.knowledge, target.options)
         except Unkeyable as e:
             self._unkeyable(str(e))
             return Eager(), None, table.generation
-        decision = decide(table, call, self.options, self.owner)
-        if isinstance(decision, (CapturePlan, Verify)) and TARGETS.shared_here():
-            return Eager(), call, table.generation  # the target calls its own compiled function
+        decision = decide(table, call, target.options, target.owner)
         if isinstance(decision, (CapturePlan, Verify)):
             plan = decision.otherwise if isinstance(decision, Verify) else decision
             token = (table.generation, plan.call.key)
-            if token in self._inflight:  # another thread is capturing this key: serve eagerly meanwhile
+            if token in self._inflight or TARGETS.shared_here():
+                # another thread captures this key, or the target calls its own compiled function
                 return Eager(), call, table.generation
             self._inflight.add(token)
         return decision, call, table.generation
@@ -148,7 +117,7 @@ class Lifecycle:
         self.table = without(table, stale, pending=f"weights changed: {names}")
         return self.table
 
-    def _serve(self, capture: capture_mod.Capture, call: Call, args: tuple, kwargs: dict) -> Any:
+    def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
             return capture.run(call.feeds)
         except Exception as error:
@@ -156,156 +125,94 @@ class Lifecycle:
 
     # ------------------------------------------------------------------------------ capturing
 
-    def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, out: Any = None,
-                 eager_done: bool = False) -> Any:
-        if not eager_done:
-            out, mutated = self._eager(plan.call, args, kwargs)
+    def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, eager: Any = None) -> Any:
+        """Capture ``plan`` from its call (``eager``: its result when already in hand, as a 1-tuple)."""
+        if eager is None:
+            out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
             if mutated:
-                why = f"input mutation: the call modified input(s) {mutated} in place, which a graph cannot reproduce"
-                return self._give_up(why, generation, lambda: out)
-        self._check_output_axes(out, plan.call)
+                return self._give_up(_mutation(mutated), generation, lambda: out)
+        else:
+            (out,) = eager
         try:
-            attempt = self._build(plan, out)
+            attempt = degrade.build(self.target, plan, out)
         except CaptureError as error:
-            return self._give_up(f"capture failed: {error}", generation, lambda: out, cause=error)
+            return self._give_up(f"capture failed: {error}", generation, lambda: out)
         with self.lock:
             self._install(attempt, generation)
         return out
 
-    def _build(self, plan: CapturePlan, out: Any) -> _Attempt:
-        """Build, retrying with less asked of the exporter: numbers baked, then (for a variant) its
-        own axes static, or (for drifted axes) the learned axes static for the function. The last
-        error is raised."""
-        watch_registrations()
-        notes: list[str] = []
-        static_axes: list[tuple[str, int]] = []
-        unliftable: frozenset[int] = frozenset()
-        while True:
-            try:
-                return _Attempt(self._build_once(plan, out), plan, notes, static_axes, unliftable)
-            except CaptureError as error:
-                step = unlifted(plan, self.owner)
-                if step is not None:
-                    unliftable = unliftable | plan.call.lifted
-                    plan, names = step
-                    notes.append(f"numbers {names} stay baked: the exporter could not lift them ({hints.first_line(error)})")
-                    continue
-                if plan.variant:
-                    retry = variant_static(plan)
-                    if retry is None:
-                        raise
-                    notes.append(f"a variant exported static ({hints.first_line(error)})")
-                    plan = retry
-                    continue
-                given_up = learned_static(plan)
-                if given_up is None:
-                    raise
-                plan, axes = given_up
-                static_axes += axes
-                notes.append(f"axes {axes} could not be exported dynamic ({hints.first_line(error)}); captured them static")
-
-    def _build_once(self, plan: CapturePlan, out: Any) -> capture_mod.Capture:
-        inputs = set(plan.call.names)
-        return capture_mod.build(
-            plan, out, target=self.target, forms=self.forms, owner=self.owner, output_names=self.output_names,
-            output_axes={n: dict(a) for n, a in self.options.dynamic_axes.items() if n not in inputs},
-            graph_name=self.graph_name, optimize=self.optimize, place=self._place_for(plan.call.feeds),
-            parameters=self.forms.positional, exporting=TARGETS.exclusive,
-        )
-
-    def _install(self, attempt: _Attempt, generation: int) -> None:
+    def _install(self, attempt: degrade.Attempt, generation: int) -> None:
         """Swap in the table with the new capture (the caller holds the lock)."""
         table, plan, capture = self.table, attempt.plan, attempt.capture
         if table.generation != generation or table.state is State.Fallback:
             return  # reset() or a failure elsewhere since this capture began: it serves nothing
-        knowledge = learned(table.knowledge, plan, self.options, static_axes=attempt.static_axes,
+        knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
                             unliftable=attempt.unliftable)
         superseded = [c for c in plan.replaces if capture.guard.check(c.example) is None]
         for note in attempt.notes:
-            logger.info("capture of %s: %s", self.name, note)
+            logger.info("capture of %s: %s", self.target.name, note)
         if plan.reason is not None:
-            logger.info("re-capture of %s: %s", self.name, plan.reason)
+            logger.info("re-capture of %s: %s", self.target.name, plan.reason)
         self.table = with_capture(table, capture, reason=plan.reason, replaces=superseded, knowledge=knowledge,
                                   notes=attempt.notes, limit=config.cache_size)
-
-    # ------------------------------------------------------------------------------ verifying
 
     def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int) -> Any:
         """Sizes the graph was not traced for: keep it for them if it agrees with eager there."""
         plan, capture = decision.otherwise, decision.capture
-        out, mutated = self._eager(plan.call, args, kwargs)
+        out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
         if mutated:
-            why = f"input mutation: the call modified input(s) {mutated} in place, which a graph cannot reproduce"
-            return self._give_up(why, generation, lambda: out)
-        feeds = plan.call.feeds
-        try:
-            served = trees.flatten(capture.run(feeds))[0]
-            eager = trees.flatten(out)[0]
-            problem = first_mismatch(trees.output_names(out, eager), eager, served)
-        except Exception as error:  # onnxruntime refuses the graph at these sizes
-            problem = hints.first_line(error)
+            return self._give_up(_mutation(mutated), generation, lambda: out)
+        problem = _disagreement(capture, plan.call.feeds, out)
         with self.lock:
             table = self.table
             if problem is None:
                 if table.generation == generation and capture in table.captures:
-                    self.table = with_replaced(table, capture, capture.verified_at(feeds))
+                    self.table = with_replaced(table, capture, capture.verified_at(plan.call.feeds))
                 return out
-            why = over_budget(table, plan, self.options)
+            why = over_budget(table, plan, self.target.options)
         if why is not None:
             return self._give_up(why, generation, lambda: out)
         plan = CapturePlan(plan.call, plan.dynamic, plan.declared,
                            f"{plan.reason}; the graph disagrees with eager there ({problem})", variant=True,
                            untied=plan.untied)
-        return self._capture(plan, args, kwargs, generation, out, eager_done=True)
+        return self._capture(plan, args, kwargs, generation, eager=(out,))
 
-    # -------------------------------------------------------------------------------- helpers
+    # ------------------------------------------------------------------------------- giving up
 
-    def _eager(self, call: Call, args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
-        """The target's result for the call as made, and the inputs it mutated in place."""
-        snapshots = [_snapshot(t) if isinstance(t, _Tensor) else None for t in call.feeds]
-        out = self.eager(args, kwargs)  # the target's own exceptions reach the caller unchanged
-        mutated = [n for n, t, s in zip(call.names, call.feeds, snapshots) if s is not None and _mutated(t, s)]
-        return out, mutated
-
-    def _give_up(self, why: str, generation: int, result: Callable[[], Any], cause: Exception | None = None) -> Any:
+    def _give_up(self, why: str, generation: int, result: Callable[[], Any]) -> Any:
         """Fallback to eager with a warning that says why; ``fullgraph=True`` raises instead."""
-        if self.fullgraph:
-            raise CaptureError(f"{self.name}: {why}") from None
+        name = self.target.name
+        if self.target.fullgraph:
+            raise CaptureError(f"{name}: {why}") from None
         with self.lock:
             if self.table.generation == generation and self.table.state is not State.Fallback:
                 self.table = fallen_back(self.table, why)
-                logger.info("%s serves eagerly until reset(): %s", self.name, why)
-                warnings.warn(f"clika_runtime: {self.name} serves eagerly until reset(): {why}", stacklevel=_user_level())
+                logger.info("%s serves eagerly until reset(): %s", name, why)
+                warnings.warn(f"clika_runtime: {name} serves eagerly until reset(): {why}", stacklevel=_user_level())
         return result()
 
     def _unkeyable(self, why: str) -> None:
-        if self.fullgraph:
-            raise CaptureError(f"{self.name}: {why}; pass it as a tensor or a hashable value")
+        name = self.target.name
+        if self.target.fullgraph:
+            raise CaptureError(f"{name}: {why}; pass it as a tensor or a hashable value")
         if why not in self._warned:
             self._warned.add(why)
-            logger.info("%s: %s; serving such calls eagerly", self.name, why)
-            warnings.warn(f"clika_runtime: {self.name}: {why}; serving this call eagerly", stacklevel=_user_level())
+            logger.info("%s: %s; serving such calls eagerly", name, why)
+            warnings.warn(f"clika_runtime: {name}: {why}; serving this call eagerly", stacklevel=_user_level())
 
-    def _check_output_axes(self, out: Any, call: Call) -> None:
-        """``dynamic_axes`` names that are neither inputs nor outputs: an error listing both."""
-        unknown = set(self.options.dynamic_axes) - set(call.names)
-        if not unknown:
-            return
-        leaves = trees.flatten(out)[0]
-        outputs = self.output_names or trees.output_names(out, leaves)
-        unknown -= set(outputs)
-        if unknown:
-            raise SignatureValueError(
-                f"dynamic_axes: {sorted(unknown)} match no input or output; inputs: {list(call.names)}, "
-                f"outputs: {list(outputs)}"
-            )
 
-    def _place_for(self, feeds: Any) -> serving.Place:
-        place = self.place
-        if place is None:
-            cuda = next((t.device for t in feeds if isinstance(t, _Tensor) and t.device.type == "cuda"), None)
-            place = serving.resolve(str(cuda) if cuda is not None and serving.cuda_available() else "cpu")
-        return serving.with_torch_stream(place)
+def _disagreement(capture: Capture, feeds: Any, out: Any) -> str | None:
+    """How the graph's result for ``feeds`` differs from eager's ``out`` (``None``: it agrees)."""
+    try:
+        served = trees.flatten(capture.run(feeds))[0]
+        eager = trees.flatten(out)[0]
+        return first_mismatch(trees.output_names(out, eager), eager, served)
+    except Exception as error:  # onnxruntime refuses the graph at these sizes
+        return hints.first_line(error)
+
+
+def _mutation(names: list[str]) -> str:
+    return f"input mutation: the call modified input(s) {names} in place, which a graph cannot reproduce"
 
 
 def _user_level() -> int:
@@ -314,22 +221,3 @@ def _user_level() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("clika_runtime"):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _snapshot(t: torch.Tensor) -> Any:
-    """What to compare after the eager call to tell whether it mutated ``t`` in place."""
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors keep no version counter: compare their bytes instead
-        return t.detach().clone()
-
-
-def _mutated(t: torch.Tensor, snapshot: Any) -> bool:
-    if isinstance(snapshot, int):
-        return t._version != snapshot
-    return t.shape != snapshot.shape or not torch.equal(_bytes(t), _bytes(snapshot))
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    # Bytes, not values: NaN != NaN would read as a mutation.
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from clika_runtime import treedesc
+from clika_runtime import guards, treedesc
 from clika_runtime.errors import GraphFileError
 from clika_runtime.guards import Guard
 
@@ -69,7 +69,7 @@ def read(props: Mapping[str, str], where: str) -> Metadata | None:
             raise ValueError("parameters: expected a list of names")
         if inputs.get("kind") != "tuple" or len(inputs.get("children", ())) != 2:
             raise ValueError("inputs: expected the (args, kwargs) pair")
-        guard = Guard.from_json(_json(props, META_GUARD, where)) if schema >= 2 else None
+        guard = guards.from_json(_json(props, META_GUARD, where)) if schema >= 2 else None
     except ValueError as e:
         raise GraphFileError(f"{where}: malformed clika_runtime metadata: {e}") from None
     return Metadata(inputs, outputs, parameters, guard)

@@ -145,8 +145,6 @@ def validate_graph(
     an error (``ValueError`` listing the graph's dim names). ``reference`` is an ``.npz`` with arrays
     named after graph inputs and outputs: the graph is run on those inputs and compared with those outputs.
     """
-    import onnx
-
     report = Report(str(path))
     path = Path(path)
     if not path.exists():
@@ -155,12 +153,26 @@ def validate_graph(
         path = _check_triton_folder(path, report)
         if path is None:
             return report
+    session = _checked_session(path, place, report)
+    if session is None:
+        return report
+    _run_sizes(session, str(path), dims or {}, np.random.default_rng(seed), report)
+    if reference is not None:
+        report.add("matches reference outputs", *_compare_reference(session, reference, rtol, atol))
+    return report
+
+
+def _checked_session(path: Path, place: Any, report: Report) -> Any:
+    """The full checker, strict shape inference and an onnxruntime session, each reported; the
+    session, or ``None`` when the graph is too broken to run."""
+    import onnx
+
     try:
         onnx.checker.check_model(str(path), full_check=True)
         report.add("onnx checker (full)", True)
     except Exception as e:  # the checker raises several types; all mean the same: invalid graph
         report.add("onnx checker (full)", False, _first_line(e))
-        return report
+        return None
     try:
         model = onnx.load_model(str(path))
         onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
@@ -169,37 +181,39 @@ def validate_graph(
         report.add("strict shape inference", False, _first_line(e))
     try:
         session = serving.open_session(str(path), serving.resolve(place))
-        report.add(f"loads in onnxruntime on {place}", True, ", ".join(session.get_providers()))
     except ValueError as e:
         raise PlaceError(str(e)) from e
     except Exception as e:
         report.add(f"loads in onnxruntime on {place}", False, _first_line(e))
-        return report
-    guard = _guard(session, str(path))
+        return None
+    report.add(f"loads in onnxruntime on {place}", True, ", ".join(session.get_providers()))
+    return session
+
+
+def _run_sizes(session: Any, where: str, dims: Mapping[str, Sequence[int]], rng: np.random.Generator,
+               report: Report) -> None:
+    """Run the graph at sizes of each dynamic dim: ``dims`` where given (a size the guard refuses
+    fails), else sizes around the capture's example that the guard accepts."""
+    guard = _guard(session, where)
     graph_dims = _dim_names(session)
-    sizes = {name: _default_sizes(guard, name) for name in graph_dims}
-    unknown = sorted(set(dims or {}) - set(graph_dims))
+    unknown = sorted(set(dims) - set(graph_dims))
     if unknown:
         raise ValueError(f"--dims: unknown dim name(s) {unknown}; this graph's dynamic dims are {sorted(graph_dims)}")
-    sizes.update({k: list(v) for k, v in (dims or {}).items()})
-    rng = np.random.default_rng(seed)
+    sizes = {name: _default_sizes(guard, name) for name in graph_dims}
+    sizes.update({k: list(v) for k, v in dims.items()})
     refused = []
     for assignment in _assignments(sizes):
         label = ", ".join(f"{k}={v}" for k, v in assignment.items()) or "static shapes"
         feeds = _feeds(session, guard, assignment, rng)
         problem = guard.check([feeds[i.name] for i in session.get_inputs()])
-        if problem is not None and not any(k in (dims or {}) for k in assignment):
+        if problem is not None and not any(k in dims for k in assignment):
             refused.append(f"{label} ({problem})")  # a default size the graph's guard rules out: not run
-            continue
-        if problem is not None:
+        elif problem is not None:
             report.add(f"runs at {label}", False, f"outside the graph's guard: {problem}")
-            continue
-        report.add(f"runs at {label}", *_run_once(session, feeds, assignment))
+        else:
+            report.add(f"runs at {label}", *_run_once(session, feeds, assignment))
     if refused:
-        logger.info("validate %s: default sizes outside the graph's guard, not run: %s", path, "; ".join(refused))
-    if reference is not None:
-        report.add("matches reference outputs", *_compare_reference(session, reference, rtol, atol))
-    return report
+        logger.info("validate %s: default sizes outside the graph's guard, not run: %s", where, "; ".join(refused))
 
 
 def _check_triton_folder(folder: Path, report: Report) -> Path | None:

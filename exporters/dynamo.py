@@ -194,36 +194,57 @@ def export_graph(
             )
     except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
         raise RuntimeError(root_cause(e)) from e
-    model = program.model
-    graph_edits.name_inputs(model, input_names)
-    graph_leaves, constants = flat.plan()["graph_leaves"], flat.plan()["constants"]
-    names = [output_names[i] for i in graph_leaves]
-    dtypes = [_leaf_dtype(output_dtypes[i]) for i in graph_leaves]
-    graph_edits.fix_outputs(model, names, dtypes)
-    graph_edits.pin_dims(model, _pinned(program.exported_program))
-    graph_edits.pin_derived_inputs(model, examples)
-    declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
-    renames = graph_edits.name_dims(model, declared, output_dims or {})
-    model.graph.name = graph_name
-    input_dims = graph_edits.input_dims(model)
     numbers = _numbers(program.exported_program, examples)
-    dynamic_reads = {(i, a) for i, dims in enumerate(input_dims) for a, d in enumerate(dims) if not isinstance(d, int)}
-    dynamic_reads |= {(i, None) for i, v in enumerate(examples) if not isinstance(v, torch.Tensor)} - {
-        (i, None) for i in numbers["specialized"]
-    }
-    trees, opaque = conds.dead_conditions(program.exported_program)
+    number_symbols = {symbol: input_names[i] for symbol, i in numbers.pop("symbols").items()}
+    graph_leaves = flat.plan()["graph_leaves"]
+    model, renames = _edited(program, input_names, [output_names[i] for i in graph_leaves],
+                             [_leaf_dtype(output_dtypes[i]) for i in graph_leaves], dynamic, output_dims or {},
+                             graph_name, examples, number_symbols)
+    input_dims = graph_edits.input_dims(model)
+    trees, opaque, reads = _conditions(program.exported_program, input_dims, examples, numbers["specialized"])
     return ExportedGraph(
         model_proto=ir.to_proto(model),
         input_dims=input_dims,
         graph_leaves=list(graph_leaves),
-        constants=dict(constants),
+        constants=dict(flat.plan()["constants"]),
         dim_ranges=_ranges(program.exported_program, renames),
-        conditions=conds.relevant(trees, dynamic_reads),
-        opaque=opaque & dynamic_reads,
+        conditions=conds.relevant(trees, reads),
+        opaque=opaque & reads,
         state=_owned(program.exported_program.state_dict),
         constants_read=_owned(program.exported_program.constants),
         **numbers,
     )
+
+
+def _edited(
+    program: Any, input_names: Sequence[str], output_names: Sequence[str], output_dtypes: Sequence[ir.DataType],
+    dynamic: Sequence[Mapping[int, str | None]], output_dims: Mapping[str, Mapping[int, str | None]],
+    graph_name: str, examples: Sequence[Any], number_symbols: Mapping[str, str],
+) -> tuple[ir.Model, dict[str, str]]:
+    """The exported model with our names, eager's output dtypes and static dims where the
+    exporter pinned them; also the symbol -> dim name renames applied."""
+    model = program.model
+    graph_edits.name_inputs(model, input_names)
+    graph_edits.fix_outputs(model, output_names, output_dtypes)
+    graph_edits.pin_dims(model, _pinned(program.exported_program))
+    graph_edits.pin_derived_inputs(model, examples)
+    declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
+    renames = graph_edits.name_dims(model, declared, output_dims, number_symbols)
+    model.graph.name = graph_name
+    return model, renames
+
+
+def _conditions(
+    program: Any, input_dims: Sequence[tuple], examples: Sequence[Any], specialized: Sequence[int]
+) -> tuple[list[tuple], set[tuple[int, int | None]], set[tuple[int, int | None]]]:
+    """The dead size conditions of the trace, the inputs read by those it cannot express, and
+    the dynamic sizes and lifted numbers a condition may read."""
+    reads = {(i, a) for i, dims in enumerate(input_dims) for a, d in enumerate(dims) if not isinstance(d, int)}
+    reads |= {(i, None) for i, v in enumerate(examples) if not isinstance(v, torch.Tensor)} - {
+        (i, None) for i in specialized
+    }
+    trees, opaque = conds.dead_conditions(program)
+    return trees, opaque, reads
 
 
 def _owned(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -266,6 +287,7 @@ def _numbers(program: Any, examples: Sequence[Any]) -> dict[str, Any]:
     values = [n.meta.get("val") for n in placeholders if n.name in user]
     ranges: dict[int, tuple[int, int | None]] = {}
     specialized: list[int] = []
+    symbols: dict[str, int] = {}  # exporter symbol of a lifted number -> its input index
     for i, (example, value) in enumerate(zip(examples, values)):
         if isinstance(example, torch.Tensor):
             continue
@@ -273,13 +295,15 @@ def _numbers(program: Any, examples: Sequence[Any]) -> dict[str, Any]:
         if expr is None or expr.is_number:
             specialized.append(i)
             continue
+        if expr.is_symbol:
+            symbols[str(expr)] = i
         bounds = program.range_constraints.get(expr)
         if bounds is not None and bounds.lower == bounds.upper:  # pinned to one value: baked in effect
             specialized.append(i)
         elif bounds is not None:
             hi = int(bounds.upper) if _finite(bounds.upper) else None
             ranges[i] = (int(bounds.lower) if _finite(bounds.lower) else -(2**63), hi)
-    return {"number_ranges": ranges, "specialized": specialized}
+    return {"number_ranges": ranges, "specialized": specialized, "symbols": symbols}
 
 
 def _finite(bound: Any) -> bool:

@@ -87,14 +87,16 @@ def name_inputs(model: ir.Model, names: Sequence[str]) -> None:
 
 
 def name_dims(
-    model: ir.Model, declared: Sequence[Mapping[int, str]], declared_outputs: Mapping[str, Mapping[int, str | None]]
+    model: ir.Model, declared: Sequence[Mapping[int, str]], declared_outputs: Mapping[str, Mapping[int, str | None]],
+    numbers: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Replace exporter symbols (``s77``) by meaningful dim names everywhere in the graph.
 
     ``declared[i]`` maps axes of input ``i`` to user-given names, ``declared_outputs`` axes of
-    outputs by output name (inputs win where both name one symbol). Any other symbol is named after the
-    first input and axis that carries it (``input_ids_dim1``); a symbol seen only on an output is
-    named after that output. Returns the mapping symbol -> name that was applied.
+    outputs by output name (inputs win where both name one symbol); ``numbers`` maps the symbols
+    of Python numbers fed to the graph to their input names (a dim ``Min(k, x_dim0)``). Any other
+    symbol is named after the first input and axis that carries it (``input_ids_dim1``); a symbol
+    seen only on an output is named after that output. Returns the mapping symbol -> name applied.
     """
     graph = model.graph
     renames: dict[str, str] = {}
@@ -112,6 +114,8 @@ def name_dims(
         renames[symbol] = name
         taken.add(name)
 
+    for symbol, name in (numbers or {}).items():
+        claim(symbol, name, declared=True)
     for value, names in zip(graph.inputs, declared):
         for axis, dim in enumerate(value.shape or ()):
             if isinstance(dim, ir.SymbolicDim) and dim.value is not None and axis in names:
@@ -126,16 +130,19 @@ def name_dims(
             if isinstance(dim, ir.SymbolicDim) and dim.value is not None and _SYMBOL.fullmatch(dim.value):
                 claim(dim.value, f"{value.name}_dim{axis}")
 
-    def rename(text: str) -> str:
-        return _SYMBOL.sub(lambda m: renames.get(m.group(0), m.group(0)), text)
+    def rename(text: str, value: ir.Value, axis: int) -> str:
+        text = _SYMBOL.sub(lambda m: renames.get(m.group(0), m.group(0)), text)
+        # A symbol no input carries (a data-dependent size): the dim is named after its value.
+        return f"{value.name}_dim{axis}" if _SYMBOL.search(text) else text
 
     for value in _all_values(graph):
         shape = value.shape
         if shape is None or not any(isinstance(d, ir.SymbolicDim) for d in shape):
             continue
-        value.shape = ir.Shape(
-            [ir.SymbolicDim(rename(d.value)) if isinstance(d, ir.SymbolicDim) and d.value else d for d in shape]
-        )
+        value.shape = ir.Shape([
+            ir.SymbolicDim(rename(d.value, value, a)) if isinstance(d, ir.SymbolicDim) and d.value else d
+            for a, d in enumerate(shape)
+        ])
     return renames
 
 

@@ -1,0 +1,93 @@
+"""Build a capture, asking less of the exporter after each failure (the degrade ladder).
+
+1. Python numbers lifted to graph inputs are baked again (and remembered as unliftable).
+2. A variant (a branch side, sizes the dynamic graph did not handle) is exported with only the
+   user's declared axes dynamic, for itself alone.
+3. Otherwise the axes that drift made dynamic are exported static, and the function keeps them
+   static from then on (declared axes are always asked).
+
+Each step is noted (``f.capture_notes``); when no step is left, the last error is raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from clika_runtime import capture as capture_mod
+from clika_runtime import hints, trees
+from clika_runtime.errors import CaptureError, SignatureValueError
+from clika_runtime.planning import CapturePlan, learned_static, unlifted, variant_static
+from clika_runtime.sharing import TARGETS
+from clika_runtime.target import Target
+from clika_runtime.weights import watch_registrations
+
+
+@dataclass
+class Attempt:
+    """A capture that succeeded, the plan that made it, and what the retries gave up on the way."""
+
+    capture: capture_mod.Capture
+    plan: CapturePlan
+    notes: list[str]
+    static_axes: list[tuple[str, int]]
+    unliftable: frozenset[int]
+
+
+def build(target: Target, plan: CapturePlan, out: Any) -> Attempt:
+    """Capture ``plan`` (its call's eager result is ``out``), degrading until it succeeds; raises
+    the last ``CaptureError`` when nothing is left to give up."""
+    check_output_axes(target, out, plan)
+    watch_registrations()
+    notes: list[str] = []
+    static_axes: list[tuple[str, int]] = []
+    unliftable: frozenset[int] = frozenset()
+    while True:
+        try:
+            return Attempt(_build_once(target, plan, out), plan, notes, static_axes, unliftable)
+        except CaptureError as error:
+            why = hints.first_line(error)
+            step = unlifted(plan, target.owner)
+            if step is not None:
+                unliftable = unliftable | plan.call.lifted
+                plan, names = step
+                notes.append(f"numbers {names} stay baked: the exporter could not lift them ({why})")
+                continue
+            if plan.variant:
+                retry = variant_static(plan)
+                if retry is None:
+                    raise
+                notes.append(f"a variant exported static ({why})")
+                plan = retry
+                continue
+            given_up = learned_static(plan)
+            if given_up is None:
+                raise
+            plan, axes = given_up
+            static_axes += axes
+            notes.append(f"axes {axes} could not be exported dynamic ({why}); captured them static")
+
+
+def _build_once(target: Target, plan: CapturePlan, out: Any) -> capture_mod.Capture:
+    inputs = set(plan.call.names)
+    return capture_mod.build(
+        plan, out, target=target.fn, forms=target.forms, owner=target.owner, output_names=target.output_names,
+        output_axes={n: dict(a) for n, a in target.options.dynamic_axes.items() if n not in inputs},
+        graph_name=target.graph_name, optimize=target.optimize, place=target.place_for(plan.call.feeds),
+        parameters=target.forms.positional, exporting=TARGETS.exclusive,
+    )
+
+
+def check_output_axes(target: Target, out: Any, plan: CapturePlan) -> None:
+    """``dynamic_axes`` names that are neither inputs nor outputs: an error listing both."""
+    unknown = set(target.options.dynamic_axes) - set(plan.call.names)
+    if not unknown:
+        return
+    leaves = trees.flatten(out)[0]
+    outputs = target.output_names or trees.output_names(out, leaves)
+    unknown -= set(outputs)
+    if unknown:
+        raise SignatureValueError(
+            f"dynamic_axes: {sorted(unknown)} match no input or output; inputs: {list(plan.call.names)}, "
+            f"outputs: {list(outputs)}"
+        )
