@@ -22,6 +22,7 @@ from clika_runtime import graph as graph_mod
 from clika_runtime import guards, hints, hits, metadata, treedesc, trees
 from clika_runtime.calls import CallForms, original_slots
 from clika_runtime.config import config
+from clika_runtime.describe import TensorInfo, outputs_of
 from clika_runtime.errors import CaptureError, VerificationError
 from clika_runtime.guards import Guard, InputRule, dtype_name, evaluate
 from clika_runtime.key import CallKey, Described
@@ -77,13 +78,12 @@ class Capture:
     guard: Guard
     example: tuple[Example, ...]
     baked: tuple[Baked, ...]
-    model_proto: Any  # onnx.ModelProto, for take_graph() / graphs()
-    output_names: tuple[str, ...]
+    folder: graph_mod.GraphFolder  # the graph's file, for take_graph() / graphs() and the disk cache
+    outputs: tuple[TensorInfo, ...]  # the graph outputs
     parts: hits.Parts
     stats: Stats
     run: Callable[[Sequence[Any]], Any]
     flat: Callable[[tuple], Any] | None
-    keep: Any = None  # a temporary folder holding external data the session reads, if any
 
     def __repr__(self) -> str:
         return f"<Capture {', '.join(map(str, self.guard.inputs))}>"
@@ -91,7 +91,7 @@ class Capture:
     def graph(self) -> graph_mod.ModelGraph:
         """The capture's graph to hand out: a copy, carrying the guard as it stands now (with
         the sizes 0/1 verified since the capture)."""
-        graph = graph_mod.ModelGraph.copy_of(self.model_proto)
+        graph = graph_mod.ModelGraph.load(self.folder.model)
         metadata.attach(graph.model_proto, {metadata.META_GUARD: guards.to_json(self.guard)})
         return graph
 
@@ -106,16 +106,17 @@ def build(
     plan: CapturePlan, eager_out: Any, *, target: Callable[..., Any], forms: CallForms, owner: torch.nn.Module | None,
     output_names: Sequence[str] | None, output_axes: dict[str, dict[int, str | None]], graph_name: str,
     optimize: bool, place: serving.Place, parameters: Sequence[str],
-    exporting: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    exporting: Callable[[], ContextManager[Any]] = contextlib.nullcontext, work_dir: str | None = None,
 ) -> Capture:
-    """Export, open a session and verify. Raises ``CaptureError`` (``VerificationError``) with why.
+    """Export, write the graph to a folder (under ``work_dir``), open a session and verify.
+    Raises ``CaptureError`` (``VerificationError``) with why.
 
     ``exporting`` is held around the export: the target must not run eagerly meanwhile.
     """
     try:
         with torch.inference_mode(False), torch.no_grad():
             return _build(plan, eager_out, target, forms, owner, output_names, output_axes, graph_name, optimize,
-                          place, parameters, exporting)
+                          place, parameters, exporting, work_dir)
     except CaptureError:
         raise
     except Exception as e:  # anything else on the way is a capture failure too, never a lost call
@@ -125,7 +126,7 @@ def build(
 def _build(
     plan: CapturePlan, eager_out: Any, target: Callable[..., Any], forms: CallForms, owner: torch.nn.Module | None,
     output_names: Sequence[str] | None, output_axes: dict, graph_name: str, optimize: bool, place: serving.Place,
-    parameters: Sequence[str], exporting: Callable[[], ContextManager[Any]],
+    parameters: Sequence[str], exporting: Callable[[], ContextManager[Any]], work_dir: str | None,
 ) -> Capture:
     phases: dict[str, float] = {}
     call = plan.call
@@ -137,16 +138,46 @@ def _build(
     with exporting():
         exported = _export(plan, trace, names, eager_leaves, graph_name, output_axes, optimize, owner)
     phases["export"] = time.perf_counter() - started
-    feeds = list(call.feeds)
-    guard = _guard(plan, exported, feeds, place)
+    guard = _guard(plan, exported, list(call.feeds), place)
     scalar_out = {pos: type(eager_leaves[pos]) for pos in exported.graph_leaves if type(eager_leaves[pos]) in _SCALARS}
     _attach_metadata(plan, exported, out_spec, eager_leaves, scalar_out, guard, parameters)
-    graph_outputs = [names[pos] for pos in exported.graph_leaves]
+    outputs = outputs_of(exported.model_proto)
     started = time.perf_counter()
-    source, folder = graph_mod.session_source(exported.model_proto)
+    folder = graph_mod.GraphFolder.write(exported.model_proto, work_dir)  # the proto's weights go to the file
+    phases["save"] = time.perf_counter() - started
+    made = Made(plan, eager_out, folder, guard, list(exported.graph_leaves), dict(exported.constants), scalar_out,
+                names, tuple(bake(exported.state, exported.constants_read, owner, target)), outputs, phases)
+    return assemble(made, place, optimize, owner)
+
+
+@dataclass
+class Made:
+    """What a capture is made of, from a fresh export or from the on-disk cache."""
+
+    plan: CapturePlan
+    eager_out: Any
+    folder: graph_mod.GraphFolder
+    guard: Guard
+    graph_leaves: list[int]  # output positions the graph computes
+    constants: dict[int, Any]  # the other output leaves, by position
+    scalar_out: dict[int, type]  # graph outputs returned as Python numbers
+    names: list[str]  # a name per output leaf
+    baked: tuple[Baked, ...]
+    outputs: tuple[TensorInfo, ...]
+    phases: dict[str, float]
+
+
+def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.Module | None) -> Capture:
+    """Open the session of a written graph, make its closures, and verify it against eager."""
+    call = made.plan.call
+    feeds = list(call.feeds)
+    eager_leaves, out_spec = trees.flatten(made.eager_out)
+    graph_outputs = [made.names[pos] for pos in made.graph_leaves]
+    started = time.perf_counter()
     try:
         session = serving.open_session(
-            source, place, optimize=optimize, intra_op_threads=config.intra_op_threads or torch.get_num_threads()
+            str(made.folder.model), place, optimize=optimize,
+            intra_op_threads=config.intra_op_threads or torch.get_num_threads(),
         )
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
         raise CaptureError(f"onnxruntime could not load the exported graph: {hints.first_line(e)}") from e
@@ -157,21 +188,19 @@ def _build(
         + [leaf.dtype for leaf in eager_leaves if isinstance(leaf, torch.Tensor)],
         input_device=device,
     )
-    phases["session"] = time.perf_counter() - started
-    parts = hits.Parts(runner, out_spec, eager_leaves, exported.constants, exported.graph_leaves, scalar_out,
+    made.phases["session"] = time.perf_counter() - started
+    parts = hits.Parts(runner, out_spec, eager_leaves, made.constants, made.graph_leaves, made.scalar_out,
                        tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner)
-    stats = Stats(phases=phases)
-    run, flat = hits.closures(parts, guard, call.key, call.positions, stats)
+    stats = Stats(phases=made.phases)
+    run, flat = hits.closures(parts, made.guard, call.key, call.positions, stats)
     capture = Capture(
         key=call.key, described=call.described, names=call.names, positions=call.positions,
-        dynamic=tuple(dict(d) for d in plan.dynamic), guard=guard, example=examples(feeds),
-        baked=tuple(bake(exported.state, exported.constants_read, owner, target)),
-        model_proto=exported.model_proto, output_names=tuple(graph_outputs), parts=parts, stats=stats,
-        run=run, flat=flat, keep=folder,
+        dynamic=tuple(dict(d) for d in made.plan.dynamic), guard=made.guard, example=examples(feeds),
+        baked=made.baked, folder=made.folder, outputs=made.outputs, parts=parts, stats=stats, run=run, flat=flat,
     )
     started = time.perf_counter()
-    _verify(capture, feeds, eager_leaves, names, eager_out)
-    phases["verify"] = time.perf_counter() - started
+    _verify(capture, feeds, eager_leaves, made.names, made.eager_out)
+    made.phases["verify"] = time.perf_counter() - started
     return capture
 
 

@@ -74,7 +74,7 @@ def describe(capture: "Capture") -> CaptureInfo:
     return CaptureInfo(
         key=", ".join(parts),
         inputs=tuple(TensorInfo(r.name, r.dtype, r.shape if r.shape is not None else ()) for r in capture.guard.inputs),
-        outputs=outputs_of(capture.model_proto),
+        outputs=capture.outputs,
         hits=capture.stats.hits,
         seconds_since_use=max(0.0, time.monotonic() - capture.stats.last_use),
         phases=dict(capture.stats.phases),

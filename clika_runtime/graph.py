@@ -172,9 +172,49 @@ def session_source(model_proto: Any) -> tuple[bytes | str, tempfile.TemporaryDir
     with external data (the returned folder must outlive the session)."""
     if not too_big(model_proto):
         return model_proto.SerializeToString(), None
-    folder = tempfile.TemporaryDirectory(prefix="clika_runtime_")
-    path = ModelGraph(model_proto).save(Path(folder.name) / "graph.onnx", external_data=True)
-    return str(path), folder
+    folder = GraphFolder.write(model_proto)
+    return str(folder.model), folder
+
+
+# Weights past this many bytes are written as external data: saving then needs no serialized copy
+# of them, and onnxruntime reads them from the file.
+_EXTERNAL_ABOVE = 16 * 2**20
+
+
+class GraphFolder:
+    """A model written to its own temporary folder (``model.onnx``, and ``model.onnx.data`` when
+    its weights are large), removed when the last reference to the folder goes. Captures keep
+    their graphs here instead of in memory; sessions open the file."""
+
+    MODEL = "model.onnx"
+
+    def __init__(self, parent: str | os.PathLike | None = None) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="clika_runtime_", dir=parent)
+        self.path = Path(self._folder.name)
+
+    @property
+    def model(self) -> Path:
+        """The model file."""
+        return self.path / self.MODEL
+
+    @classmethod
+    def write(cls, model_proto: Any, parent: str | os.PathLike | None = None) -> "GraphFolder":
+        """Write ``model_proto`` into a new folder. The proto's weights move to the file when they
+        are large: the proto must not be used afterwards."""
+        import onnx
+
+        folder = cls(parent)
+        large = sum(len(t.raw_data) for t in model_proto.graph.initializer) > _EXTERNAL_ABOVE
+        if large:
+            onnx.save_model(model_proto, str(folder.model), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=f"{cls.MODEL}.data", size_threshold=1024)
+        else:
+            onnx.save_model(model_proto, str(folder.model))
+        return folder
+
+    def files(self) -> list[Path]:
+        """The files of the model (the model, its external data)."""
+        return sorted(p for p in self.path.iterdir() if p.is_file())
 
 
 def existing(path: str | os.PathLike) -> Path:

@@ -176,6 +176,26 @@ def _module_lookup(owner: torch.nn.Module, name: str) -> Callable[[], Any] | Non
     return lambda: getattr(owner.get_submodule(path) if path else owner, attr)
 
 
+def closure_tensors(target: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the target's function reads from its closure or globals, by variable name."""
+    found = []
+    for name, lookup in _closure_places(target).values():
+        value = _lookup(lookup)
+        if isinstance(value, torch.Tensor):
+            found.append((name, value))
+    return found
+
+
+def closure_lookup(target: Any, name: str) -> Callable[[], Any] | None:
+    """Where the target's function finds the closed-over tensor ``name`` (``None``: nowhere)."""
+    return next((lookup for found, lookup in _closure_places(target).values() if found == name), None)
+
+
+def module_lookup(owner: torch.nn.Module, name: str) -> Callable[[], Any] | None:
+    """Where ``owner`` holds the tensor ``name`` (``"fc.weight"``), ``None`` when it holds none."""
+    return _module_lookup(owner, name)
+
+
 def _closure_places(target: Any) -> dict[int, tuple[str, Callable[[], Any]]]:
     """Tensors the target's function reads from its closure or globals: id -> (name, lookup)."""
     fn = getattr(target, "forward", target)

@@ -1,0 +1,160 @@
+"""Fingerprints for the on-disk capture cache: what decides a graph, as a hex digest.
+
+A function's fingerprint covers its code (the target's function, or every submodule class's
+``forward`` with the module's plain attributes and config), the content of its weights, buffers
+and closed-over tensors, the compile options, and the versions of the libraries that make the
+graph. A capture's fingerprint adds the call key and the plan (dynamic axes, tied axes, lifted
+numbers, the sizes of static axes). These are "as far as cheaply knowable": a cached graph is
+still verified against the first call's eager result before it serves anything.
+
+Weights are hashed once per tensor version: the digest is kept per tensor and reused while its
+version counter and data pointer stay the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import sys
+import types
+import weakref
+from typing import Any, Iterable
+
+import torch
+
+from clika_runtime.graph import VERSION
+from clika_runtime.planning import CapturePlan
+from clika_runtime.target import Target
+from clika_runtime.weights import closure_tensors
+
+_DIGESTS: "weakref.WeakKeyDictionary[torch.Tensor, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+_LIBRARIES = ("torch", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "transformers")
+
+
+def function_key(target: Target) -> str:
+    """The digest of everything a function's graphs depend on but its calls."""
+    digest = hashlib.sha256()
+    for part in (_versions(), _options(target), _code(target.fn)):
+        digest.update(part.encode())
+    for name, tensor in _tensors(target):
+        digest.update(name.encode())
+        digest.update(tensor_digest(tensor).encode())
+    return digest.hexdigest()
+
+
+def capture_key(function: str, plan: CapturePlan, place: str) -> str:
+    """The digest of one capture: its function, call key, plan and place."""
+    call = plan.call
+    shapes = [
+        [("*" if a in axes else size) for a, size in enumerate(v.shape)] if isinstance(v, torch.Tensor) else "number"
+        for v, axes in zip(call.feeds, plan.dynamic)
+    ]
+    parts = [function, str(call.key.structure), _statics(call.key.statics),
+             repr([(str(d), r, str(dev)) for d, r, dev, *_ in call.key.tensors]), repr(call.key.training),
+             repr(shapes), repr(sorted(call.lifted)), repr([sorted(d.items(), key=str) for d in plan.dynamic]),
+             repr(plan.ties), repr(plan.variant), place]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A digest of a tensor's dtype, shape and bytes (cached while it is unchanged)."""
+    state = (tensor._version if not tensor.is_inference() else None, tensor.data_ptr(), tuple(tensor.shape))
+    cached = _DIGESTS.get(tensor)
+    if cached is not None and cached[0] == state and state[0] is not None:
+        return cached[1]
+    data = tensor.detach().cpu().contiguous()
+    if data.dtype in (torch.bfloat16, torch.float16):
+        data = data.view(torch.int16)
+    digest = hashlib.blake2b(f"{tensor.dtype}{tuple(tensor.shape)}".encode(), digest_size=20)
+    if data.numel():
+        digest.update(data.reshape(-1).view(torch.uint8).numpy() if data.dtype != torch.bool else data.numpy())
+    _DIGESTS[tensor] = (state, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def _tensors(target: Target) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor a capture of ``target`` may bake: the owner's, and those its code closes over."""
+    found: list[tuple[str, torch.Tensor]] = []
+    if target.owner is not None:
+        found += list(target.owner.named_parameters()) + list(target.owner.named_buffers())
+    found += closure_tensors(target.fn)
+    return found
+
+
+def _versions() -> str:
+    versions = [f"clika_runtime {VERSION}", f"python {sys.version_info[:3]}"]
+    for name in _LIBRARIES:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} -")
+    return ";".join(versions)
+
+
+def _options(target: Target) -> str:
+    o = target.options
+    return repr((o.signature, o.dynamic, sorted((k, sorted(v.items())) for k, v in o.dynamic_axes.items()),
+                 o.specialize, target.optimize, target.output_names, target.graph_name))
+
+
+def _code(fn: Any) -> str:
+    """The code a call runs, as far as cheaply knowable: functions' bytecode and constants, each
+    submodule class's forward, and the modules' plain attributes (sizes, flags, configs)."""
+    if isinstance(fn, torch.nn.Module):
+        return "|".join(f"{name}:{_module(m)}" for name, m in fn.named_modules())
+    owner = getattr(fn, "__self__", None)
+    text = _function(getattr(fn, "__func__", fn))
+    return text + ("|" + _code(owner) if isinstance(owner, torch.nn.Module) else "")
+
+
+def _module(module: torch.nn.Module) -> str:
+    cls = type(module)
+    attributes = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            continue
+        attributes.append(f"{key}={_plain(value)}")
+    return f"{cls.__module__}.{cls.__qualname__}[{_function(cls.forward)}]({','.join(attributes)})"
+
+
+def _plain(value: Any) -> str:
+    """A stable text of an attribute's value (configs by their dict; objects by their type)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ",".join(_plain(v) for v in value) + "]"
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        try:
+            return repr(sorted((str(k), repr(v)) for k, v in to_dict().items()))
+        except Exception:  # a to_dict that needs arguments: the type is what we have
+            pass
+    return type(value).__qualname__
+
+
+def _function(fn: Any) -> str:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return getattr(fn, "__qualname__", type(fn).__qualname__)
+    return f"{getattr(fn, '__qualname__', '')}:{_code_object(code)}"
+
+
+def _code_object(code: types.CodeType) -> str:
+    digest = hashlib.sha256(code.co_code)
+    for const in code.co_consts:
+        digest.update((_code_object(const) if isinstance(const, types.CodeType) else repr(const)).encode())
+    digest.update(repr(code.co_names).encode())
+    return digest.hexdigest()[:24]
+
+
+def _statics(statics: Iterable[Any]) -> str:
+    """Static values as stable text (code by its qualified name, not its address)."""
+    parts = []
+    for static in statics:
+        value = static[1] if isinstance(static, tuple) and len(static) > 1 else static
+        if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
+            parts.append(f"code {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}")
+        else:
+            parts.append(repr(static))
+    return "|".join(parts)
+
