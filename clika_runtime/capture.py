@@ -132,7 +132,7 @@ def _build(
     call = plan.call
     eager_leaves, out_spec = trees.flatten(eager_out)
     hints.check_outputs(eager_leaves)
-    names = _output_names(eager_out, eager_leaves, output_names)
+    names = output_names_of(eager_out, eager_leaves, output_names)
     trace = _tracer(plan, target, forms)
     started = time.perf_counter()
     with exporting():
@@ -233,7 +233,9 @@ def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> 
     return flat
 
 
-def _output_names(eager_out: Any, eager_leaves: list[Any], given: Sequence[str] | None) -> list[str]:
+def output_names_of(eager_out: Any, eager_leaves: list[Any], given: Sequence[str] | None) -> list[str]:
+    """A name per output leaf: the user's ``output_names`` for the leaves a graph computes, else
+    names from the output pytree's keys and paths."""
     defaults = trees.output_names(eager_out, eager_leaves)
     if given is None:
         return defaults

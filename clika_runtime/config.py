@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+AUTO = "auto"
 
 
 def _default_tolerances() -> dict[str, tuple[float, float]]:
@@ -26,12 +30,30 @@ class Config:
         tolerances: ``{dtype name: (rtol, atol)}`` used when a new graph is verified against eager.
         intra_op_threads: onnxruntime's intra-op threads for new sessions; ``None`` follows
             ``torch.get_num_threads()`` (or onnxruntime's default where torch is absent).
+        cache_dir: the on-disk capture cache, shared by processes: ``"auto"`` (the default) is
+            ``$CLIKA_RUNTIME_CACHE_DIR`` when set, else the user cache directory
+            (``~/.cache/clika_runtime``); a path; ``None`` turns the cache off.
+        cache_max_bytes: the cache's size bound; the least recently used entries go first.
     """
 
     cache_size: int = 8
     recapture_limit: int = 8
     intra_op_threads: int | None = None
     tolerances: dict[str, tuple[float, float]] = field(default_factory=_default_tolerances)
+    cache_dir: str | os.PathLike | None = AUTO
+    cache_max_bytes: int = 4 * 2**30
+
+    def cache_path(self) -> Path | None:
+        """The cache directory ``cache_dir`` means now (read when a cache is needed, not at import)."""
+        if self.cache_dir is None:
+            return None
+        if self.cache_dir != AUTO:
+            return Path(self.cache_dir)
+        chosen = os.environ.get("CLIKA_RUNTIME_CACHE_DIR")
+        if chosen is not None:
+            return Path(chosen) if chosen.strip() else None
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base) / "clika_runtime"
 
     def tolerance(self, dtype_name: str) -> tuple[float, float]:
         """``(rtol, atol)`` for a dtype name; exact (0, 0) for integer and bool types."""

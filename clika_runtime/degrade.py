@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clika_runtime import capture as capture_mod
-from clika_runtime import hints, trees
+from clika_runtime import hints, restore, trees
 from clika_runtime.errors import CaptureError, SignatureValueError
 from clika_runtime.planning import CapturePlan, learned_static, unlifted, variant_static
 from clika_runtime.sharing import TARGETS
@@ -35,16 +35,33 @@ class Attempt:
 
 
 def build(target: Target, plan: CapturePlan, out: Any) -> Attempt:
-    """Capture ``plan`` (its call's eager result is ``out``), degrading until it succeeds; raises
-    the last ``CaptureError`` when nothing is left to give up."""
+    """Capture ``plan`` (its call's eager result is ``out``): from the disk cache when an earlier
+    process made it, else by exporting, degrading until it succeeds (then kept in the cache).
+    Raises the last ``CaptureError`` when nothing is left to give up."""
     check_output_axes(target, out, plan)
     watch_registrations()
+    slot = restore.slot_for(target, plan)
+    if slot is not None:
+        found = restore.restore(slot, target, plan, out)
+        if found is not None:
+            capture, used, meta = found
+            return Attempt(capture, used, list(meta["notes"]), [tuple(a) for a in meta["static_axes"]],
+                           frozenset(meta["unliftable"]))
+    attempt = _exported(target, plan, out, slot.cache.work if slot is not None else None)
+    if slot is not None:
+        restore.store(slot, attempt.capture, attempt.plan, attempt.notes, attempt.static_axes, attempt.unliftable,
+                      target.graph_name)
+    return attempt
+
+
+def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Attempt:
+    """The degrade ladder over fresh exports."""
     notes: list[str] = []
     static_axes: list[tuple[str, int]] = []
     unliftable: frozenset[int] = frozenset()
     while True:
         try:
-            return Attempt(_build_once(target, plan, out), plan, notes, static_axes, unliftable)
+            return Attempt(_build_once(target, plan, out, work_dir), plan, notes, static_axes, unliftable)
         except CaptureError as error:
             why = hints.first_line(error)
             step = unlifted(plan, target.owner)
@@ -68,13 +85,13 @@ def build(target: Target, plan: CapturePlan, out: Any) -> Attempt:
             notes.append(f"axes {axes} could not be exported dynamic ({why}); captured them static")
 
 
-def _build_once(target: Target, plan: CapturePlan, out: Any) -> capture_mod.Capture:
+def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> capture_mod.Capture:
     inputs = set(plan.call.names)
     return capture_mod.build(
         plan, out, target=target.fn, forms=target.forms, owner=target.owner, output_names=target.output_names,
         output_axes={n: dict(a) for n, a in target.options.dynamic_axes.items() if n not in inputs},
         graph_name=target.graph_name, optimize=target.optimize, place=target.place_for(plan.call.feeds),
-        parameters=target.forms.positional, exporting=TARGETS.exclusive,
+        parameters=target.forms.positional, exporting=TARGETS.exclusive, work_dir=work_dir,
     )
 
 

@@ -27,7 +27,9 @@ from clika_runtime.planning import CapturePlan
 from clika_runtime.target import Target
 from clika_runtime.weights import closure_tensors
 
-_DIGESTS: "weakref.WeakKeyDictionary[torch.Tensor, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+# id(tensor) -> (a weak reference to it, its state when hashed, the digest). Not a WeakKeyDictionary:
+# tensors compare elementwise, so they cannot be dictionary keys by value.
+_DIGESTS: dict[int, tuple[weakref.ref, tuple, str]] = {}
 _LIBRARIES = ("torch", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "transformers")
 
 
@@ -59,16 +61,17 @@ def capture_key(function: str, plan: CapturePlan, place: str) -> str:
 def tensor_digest(tensor: torch.Tensor) -> str:
     """A digest of a tensor's dtype, shape and bytes (cached while it is unchanged)."""
     state = (tensor._version if not tensor.is_inference() else None, tensor.data_ptr(), tuple(tensor.shape))
-    cached = _DIGESTS.get(tensor)
-    if cached is not None and cached[0] == state and state[0] is not None:
-        return cached[1]
+    cached = _DIGESTS.get(id(tensor))
+    if cached is not None and cached[0]() is tensor and cached[1] == state and state[0] is not None:
+        return cached[2]
     data = tensor.detach().cpu().contiguous()
     if data.dtype in (torch.bfloat16, torch.float16):
         data = data.view(torch.int16)
     digest = hashlib.blake2b(f"{tensor.dtype}{tuple(tensor.shape)}".encode(), digest_size=20)
     if data.numel():
         digest.update(data.reshape(-1).view(torch.uint8).numpy() if data.dtype != torch.bool else data.numpy())
-    _DIGESTS[tensor] = (state, digest.hexdigest())
+    key = id(tensor)
+    _DIGESTS[key] = (weakref.ref(tensor, lambda _, key=key: _DIGESTS.pop(key, None)), state, digest.hexdigest())
     return digest.hexdigest()
 
 

@@ -13,9 +13,10 @@ import logging
 import sys
 import threading
 import warnings
+from dataclasses import replace
 from typing import Any, Callable
 
-from clika_runtime import degrade, hints, trees
+from clika_runtime import degrade, hints, restore, trees
 from clika_runtime.capture import Capture
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError
@@ -23,7 +24,9 @@ from clika_runtime.hits import RunFailed
 from clika_runtime.key import CallKey, Unkeyable
 from clika_runtime.planning import Call, CapturePlan, Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget
 from clika_runtime.sharing import TARGETS
-from clika_runtime.table import CacheTable, State, fallen_back, fresh, rewatched, with_capture, with_replaced, without
+from clika_runtime.table import (
+    CacheTable, Knowledge, State, fallen_back, fresh, rewatched, with_capture, with_replaced, without,
+)
 from clika_runtime.target import Target
 from clika_runtime.verify import first_mismatch
 
@@ -54,6 +57,8 @@ class Lifecycle:
         """Serve a call no hit served: plan under the lock, act outside it."""
         if TARGETS.exclusive_here():  # called inside an export in this thread: be traced through
             return self.target.fn(*args, **kwargs)
+        if self.table.last is None and self.table.state is State.Pending:
+            self._recall()
         with self.lock:
             decision, call, generation = self._decide(args, kwargs)
         if isinstance(decision, Serve):
@@ -80,6 +85,16 @@ class Lifecycle:
             why = f"the graph failed on these inputs ({hints.first_line(failed.error)}); re-captured from them"
             self.table = without(self.table, [failed.capture], pending=why)
         return self.miss(args, kwargs)
+
+    def _recall(self) -> None:
+        """Before a function's first capture: what an earlier process learned about it (read
+        outside the lock: disk I/O), so its first capture is planned as the last one was."""
+        knowledge = restore.recall(self.target)
+        if knowledge is None:
+            return
+        with self.lock:
+            if self.table.last is None and self.table.state is State.Pending and not self.table.knowledge.learned:
+                self.table = replace(self.table, knowledge=knowledge)
 
     def _decide(self, args: tuple, kwargs: dict) -> tuple[Decision, Call | None, int]:
         table = self.table
@@ -138,14 +153,17 @@ class Lifecycle:
         except CaptureError as error:
             return self._give_up(f"capture failed: {error}", generation, lambda: out)
         with self.lock:
-            self._install(attempt, generation)
+            taught = self._install(attempt, generation)
+        if taught is not None:  # outside the lock: disk I/O
+            restore.remember(self.target, taught)
         return out
 
-    def _install(self, attempt: degrade.Attempt, generation: int) -> None:
-        """Swap in the table with the new capture (the caller holds the lock)."""
+    def _install(self, attempt: degrade.Attempt, generation: int) -> Knowledge | None:
+        """Swap in the table with the new capture (the caller holds the lock); return what the
+        function learned when the capture taught it something new."""
         table, plan, capture = self.table, attempt.plan, attempt.capture
         if table.generation != generation or table.state is State.Fallback:
-            return  # reset() or a failure elsewhere since this capture began: it serves nothing
+            return None  # reset() or a failure elsewhere since this capture began: it serves nothing
         knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
                             unliftable=attempt.unliftable)
         superseded = [c for c in plan.replaces if capture.guard.check(c.example) is None]
@@ -155,6 +173,7 @@ class Lifecycle:
             logger.info("re-capture of %s: %s", self.target.name, plan.reason)
         self.table = with_capture(table, capture, reason=plan.reason, replaces=superseded, knowledge=knowledge,
                                   notes=attempt.notes, limit=config.cache_size)
+        return knowledge if knowledge.learned != table.knowledge.learned else None
 
     def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int) -> Any:
         """Sizes the graph was not traced for: keep it for them if it agrees with eager there."""

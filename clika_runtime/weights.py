@@ -68,6 +68,11 @@ class Baked:
         """Record ``tensor`` as it is now."""
         return cls(name, tensor, tensor.detach(), _version_of(tensor), tensor.data_ptr(), lookup, rebinds)
 
+    @property
+    def kind(self) -> str:
+        """Where the tensor is found: ``"module"``, ``"closure"`` or ``"constant"`` (nowhere to look)."""
+        return "closure" if self.rebinds else "module" if self.lookup is not None else "constant"
+
     def changed(self) -> bool:
         """Whether the target would now read something else than what the graph baked."""
         if self.lookup is not None and _lookup(self.lookup) is not self.tensor:
@@ -162,6 +167,20 @@ def bake(
             baked.append(Baked.of(where, tensor, lookup, rebinds=True))
         else:
             baked.append(Baked.of(name, tensor, None))
+    return baked
+
+
+def found_again(recorded: Sequence[tuple[str, str]], owner: torch.nn.Module | None, target: Any) -> list[Baked] | None:
+    """The tensors a graph from the disk cache baked, found by (name, kind) in this process as
+    they are now; ``None`` when one cannot be found (its graph cannot be watched: not reused)."""
+    baked = []
+    for name, kind in recorded:
+        lookup = _module_lookup(owner, name) if kind == "module" and owner is not None else \
+            closure_lookup(target, name) if kind == "closure" else None
+        tensor = _lookup(lookup) if lookup is not None else None
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        baked.append(Baked.of(name, tensor, lookup, rebinds=kind == "closure"))
     return baked
 
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 import clika_runtime as cr
+
+
+# The suite's on-disk capture cache: a fresh directory per run, never the user's (subprocesses
+# inherit it through the environment).
+os.environ["CLIKA_RUNTIME_CACHE_DIR"] = tempfile.mkdtemp(prefix="clika_runtime_tests_cache_")
 
 
 class Counted:
@@ -35,10 +43,18 @@ class TinyNet(torch.nn.Module):
 
 
 @pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory):
+    """Each test its own on-disk capture cache: a graph cached by one test never serves another."""
+    cr.config.cache_dir = tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
 def _restore_config():
-    saved = (cr.config.cache_size, cr.config.recapture_limit, dict(cr.config.tolerances), cr.config.intra_op_threads)
+    saved = (cr.config.cache_size, cr.config.recapture_limit, dict(cr.config.tolerances), cr.config.intra_op_threads,
+             cr.config.cache_dir, cr.config.cache_max_bytes)
     yield
-    cr.config.cache_size, cr.config.recapture_limit, cr.config.tolerances, cr.config.intra_op_threads = saved
+    (cr.config.cache_size, cr.config.recapture_limit, cr.config.tolerances, cr.config.intra_op_threads,
+     cr.config.cache_dir, cr.config.cache_max_bytes) = saved
 
 
 def current(f):

@@ -1,0 +1,147 @@
+"""Captures to and from the on-disk cache (diskcache.py holds the files; this turns a capture into
+an entry and an entry back into a capture).
+
+An entry holds the graph and what its capture knew beyond it: the plan that worked (after the
+degrade ladder: the dynamic axes, the lifted numbers), the guard, which output leaves the graph
+computes, the names of the tensors it baked, and what the retries gave up. Restoring needs the
+eager result of the call in hand (the first call of a process computes it anyway): the output
+tree and constant leaves come from it, and the graph serves only once it agrees with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+from clika_runtime import capture as capture_mod
+from clika_runtime import diskcache, fingerprint, guards, trees
+from clika_runtime.describe import TensorInfo
+from clika_runtime.errors import CaptureError
+from clika_runtime.graph import GraphFolder
+from clika_runtime.planning import CapturePlan, declared_axes
+from clika_runtime.table import Knowledge
+from clika_runtime.target import Target
+from clika_runtime.weights import found_again
+
+logger = logging.getLogger("clika_runtime")
+_SCALARS = {"int": int, "float": float, "bool": bool}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one capture lives in the cache."""
+
+    cache: diskcache.DiskCache
+    key: str
+
+
+def slot_for(target: Target, plan: CapturePlan) -> Slot | None:
+    """The cache slot of a plan (``None`` when the cache is off)."""
+    cache = diskcache.active()
+    if cache is None:
+        return None
+    function = fingerprint.function_key(target)
+    return Slot(cache, fingerprint.capture_key(function, plan, target.place_for(plan.call.feeds).primary))
+
+
+def restore(slot: Slot, target: Target, plan: CapturePlan, out: Any) -> tuple[capture_mod.Capture, CapturePlan, dict] | None:
+    """The capture cached for ``plan``, verified against ``out``; ``None`` when there is none or
+    it does not serve this call (a debug line says why)."""
+    entry = slot.cache.load(slot.key)
+    if entry is None:
+        return None
+    try:
+        made, used = _made(entry, target, plan, out, slot)
+        capture = capture_mod.assemble(made, target.place_for(used.call.feeds), target.optimize, target.owner)
+    except (CaptureError, KeyError, TypeError, ValueError) as e:  # stale or foreign: export afresh
+        logger.debug("disk cache: entry %s not used: %s", slot.key, e)
+        return None
+    logger.info("capture of %s: graph found in the disk cache", target.name)
+    return capture, used, entry.meta
+
+
+def store(slot: Slot, capture: capture_mod.Capture, plan: CapturePlan, notes: list[str],
+          static_axes: list[tuple[str, int]], unliftable: frozenset[int], graph_name: str) -> None:
+    """Keep a new capture for later processes (an unwritable cache is turned off, said once)."""
+    parts = capture.parts
+    baked = [(b.name, b.kind) for b in capture.baked]
+    if any(kind == "constant" for _, kind in baked):
+        return  # a tensor it baked cannot be found again by name: a later process could not watch it
+    meta = {
+        "graph_name": graph_name, "model": GraphFolder.MODEL, "names": list(capture.names),
+        "lifted": sorted(plan.call.lifted), "dynamic": [{str(a): n for a, n in d.items()} for d in plan.dynamic],
+        "guard": guards.to_json(capture.guard), "graph_leaves": list(parts.graph_leaves),
+        "scalar_out": {str(p): t.__name__ for p, t in parts.scalar_out.items()}, "baked": baked,
+        "outputs": [list(o) for o in capture.outputs], "notes": notes,
+        "static_axes": [list(a) for a in static_axes], "unliftable": sorted(unliftable),
+    }
+    try:
+        slot.cache.save(slot.key, capture.folder.files(), meta)
+    except OSError as e:
+        diskcache.refuse(slot.cache.root, e)
+
+
+def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, slot: Slot) -> tuple[capture_mod.Made, CapturePlan]:
+    meta = entry.meta
+    call = plan.call
+    lifted = frozenset(meta["lifted"])
+    if lifted != call.lifted:
+        call = call.with_lift(lifted, target.owner)
+    dynamic = tuple({int(a): n for a, n in d.items()} for d in meta["dynamic"])
+    used = replace(plan, call=call, dynamic=dynamic, declared=declared_axes(call, target.options))
+    device = next((str(t.device) for t in call.feeds if hasattr(t, "device")), "cpu")
+    guard = replace(guards.from_json(meta["guard"]), device=device, verify_small=True)
+    problem = guard.check(call.feeds)
+    if problem is not None:
+        raise ValueError(f"its guard refuses this call: {problem}")
+    baked = found_again([tuple(b) for b in meta["baked"]], target.owner, target.fn)
+    if baked is None:
+        raise ValueError("a tensor it baked is not found in this process")
+    leaves = trees.flatten(out)[0]
+    graph_leaves = [int(p) for p in meta["graph_leaves"]]
+    folder = GraphFolder(slot.cache.work)
+    for path in entry.files:
+        diskcache.link_or_copy(path, folder.path / path.name)
+    made = capture_mod.Made(
+        plan=used, eager_out=out, folder=folder, guard=guard, graph_leaves=graph_leaves,
+        constants={i: leaf for i, leaf in enumerate(leaves) if i not in graph_leaves},
+        scalar_out={int(p): _SCALARS[t] for p, t in meta["scalar_out"].items()},
+        names=capture_mod.output_names_of(out, leaves, target.output_names),
+        baked=tuple(baked), outputs=tuple(TensorInfo(n, d, tuple(s)) for n, d, s in meta["outputs"]), phases={},
+    )
+    return made, used
+
+
+def remember(target: Target, knowledge: Knowledge) -> None:
+    """Keep what drift taught a function, so a later process plans its first capture dynamic."""
+    cache = diskcache.active()
+    if cache is None or not knowledge.learned:
+        return
+    data = {
+        "learned": {name: {str(a): n for a, n in axes.items()} for name, axes in knowledge.learned.items()},
+        "static_axes": sorted([list(a) for a in knowledge.static_axes]),
+        "untied": sorted(sorted([list(p) for p in pair]) for pair in knowledge.untied),
+    }
+    try:
+        cache.remember(fingerprint.function_key(target), data)
+    except OSError as e:
+        diskcache.refuse(cache.root, e)
+
+
+def recall(target: Target) -> Knowledge | None:
+    """What an earlier process learned about this function, or ``None``."""
+    cache = diskcache.active()
+    data = cache.knowledge(fingerprint.function_key(target)) if cache is not None else None
+    if not data:
+        return None
+    try:
+        learned = {str(n): MappingProxyType({int(a): d for a, d in axes.items()}) for n, axes in data["learned"].items()}
+        return Knowledge(
+            learned=MappingProxyType(learned), static_axes=frozenset((str(n), int(a)) for n, a in data["static_axes"]),
+            untied=frozenset(frozenset((str(n), int(a)) for n, a in pair) for pair in data["untied"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        logger.debug("disk cache: what the function learned is unreadable (%s), ignored", e)
+        return None
