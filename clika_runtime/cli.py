@@ -7,6 +7,7 @@ import importlib
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -77,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--place", default="cpu", help="where replicas run the graph: cpu, cuda, cuda:1, a provider name")
     p.add_argument("--max-request-mb", type=float, default=64.0, help="larger request bodies are refused unread")
     p.set_defaults(run=_serve)
+
+    p = sub.add_parser("cache", help="show or clear the on-disk capture cache (config.cache_dir)")
+    p.add_argument("action", choices=("info", "list", "clear"), nargs="?", default="info")
+    p.add_argument("--dir", help="the cache directory (default: as config.cache_dir resolves it)")
+    p.set_defaults(run=_cache)
     return parser
 
 
@@ -109,6 +115,29 @@ def _triton(args: argparse.Namespace) -> int:
     # Triton takes a local repository by its absolute path.
     print(f"wrote {folder} (version {args.version}); serve it with: "
           f"tritonserver --model-repository {Path(args.repository).resolve()}")
+    return 0
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from clika_runtime import diskcache
+    from clika_runtime.config import config
+
+    if args.dir:
+        config.cache_dir = args.dir
+    cache = diskcache.active()
+    if cache is None:
+        print("the capture cache is off (config.cache_dir is None, or CLIKA_RUNTIME_CACHE_DIR is empty)")
+        return 0
+    if args.action == "clear":
+        cache.clear()
+        print(f"cleared {cache.root}")
+    elif args.action == "list":
+        for entry in cache.entries():
+            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
+            print(f"{entry.key[:16]}  {entry.bytes / 2**20:8.1f} MiB  {used}  {entry.graph_name}({', '.join(entry.inputs)})")
+    else:
+        entries = cache.entries()
+        print(f"{cache.root}: {len(entries)} entries, {cache.size() / 2**20:.1f} MiB of {cache.max_bytes / 2**20:.0f} MiB")
     return 0
 
 

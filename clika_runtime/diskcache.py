@@ -106,7 +106,9 @@ class DiskCache:
                 link_or_copy(path, staging / path.name)
             (staging / ENTRY).write_text(json.dumps({**meta, "schema": SCHEMA}))
             target = self.root / "entries" / key
-            if target.exists():
+            if target.is_symlink():
+                target.unlink()  # never followed: replaced
+            elif target.exists():
                 shutil.rmtree(target, ignore_errors=True)  # a stale or corrupt entry: replaced
             os.rename(staging, target)
         except OSError:

@@ -1,0 +1,180 @@
+"""The on-disk capture cache: later processes find graphs earlier ones made, and nothing else
+(changed weights, code, statics, versions miss); broken entries are ignored; writers race safely."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import clika_runtime as cr
+from clika_runtime import diskcache, fingerprint
+from clika_runtime.cli import main as cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch, clika_runtime as cr
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)).eval()
+    if "--other-weights" in sys.argv:
+        with torch.no_grad():
+            model[0].weight.mul_(2)
+    f = cr.compile(model)
+    with torch.no_grad():
+        for rows in map(int, [a for a in sys.argv[1:] if a.isdigit()]):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(f(x), model(x))
+    print([sorted(c.phases) for c in f.captures], f.recapture_count)
+""")
+
+
+def _run(cache: Path, *args: str) -> str:
+    env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.mark.slow
+def test_a_later_process_finds_the_graph_and_what_drift_taught(tmp_path):
+    assert "'export'" in _run(tmp_path, "2", "5")  # first process: exports, drift makes axis 0 dynamic
+    second = _run(tmp_path, "3", "7")  # a new process, first call at another size
+    assert "'export'" not in second and second.endswith(" 0"), second  # found on disk, no re-capture
+    assert "'export'" in _run(tmp_path, "3", "--other-weights")  # other weights: a miss
+
+
+@pytest.mark.slow
+def test_two_processes_writing_one_key_both_end_with_a_valid_entry(tmp_path):
+    env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    runs = [subprocess.Popen([sys.executable, "-c", SCRIPT, "4"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for run in runs:
+        _, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err
+    cache = diskcache.DiskCache(tmp_path, 2**30)
+    assert len(cache.entries()) == 1 and "'export'" not in _run(tmp_path, "4")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3).eval()
+
+
+def _capture(model, x, **options):
+    f = cr.compile(model, **options)
+    with torch.no_grad():
+        f(x)
+    return f
+
+
+def _exported(f) -> bool:
+    return all("export" in c.phases for c in f.captures)
+
+
+def test_a_second_function_of_the_same_model_finds_the_graph():
+    model, x = _model(), torch.randn(2, 4)
+    assert _exported(_capture(model, x))
+    again = _capture(model, x)
+    assert not _exported(again) and again.state is cr.CompiledFunction.State.Compiled
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model(x))
+
+
+@pytest.mark.parametrize("change", ["weights", "code", "static", "versions"])
+def test_what_decides_the_graph_is_in_the_key(change, monkeypatch):
+    model, x = _model(), torch.randn(2, 4)
+    _capture(model, x)
+    if change == "weights":
+        other = _model()
+        with torch.no_grad():
+            other.weight.add_(1)
+        assert _exported(_capture(other, x))
+    elif change == "code":
+        assert _exported(_capture(lambda t: model(t) * 2, x))
+    elif change == "static":
+        f = cr.compile(lambda t, k: model(t) * k)
+        f(x, 2)
+        g = cr.compile(lambda t, k: model(t) * k)
+        with torch.no_grad():
+            g(x, 3)
+        assert _exported(g)
+    else:
+        monkeypatch.setattr(fingerprint, "_versions", lambda: "torch 99")
+        assert _exported(_capture(model, x))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
+def test_a_broken_entry_is_ignored_and_replaced(damage):
+    model, x = _model(), torch.randn(2, 4)
+    _capture(model, x)
+    (entry,) = (Path(cr.config.cache_path()) / "entries").iterdir()
+    if damage == "corrupt":
+        (entry / diskcache.ENTRY).write_text("{not json")
+    elif damage == "truncated":
+        data = (entry / "model.onnx").read_bytes()
+        (entry / "model.onnx").write_bytes(data[: len(data) // 3])
+    else:
+        (entry / "model.onnx").unlink()
+    again = _capture(model, x)
+    assert _exported(again) and again.state is cr.CompiledFunction.State.Compiled
+    assert not _exported(_capture(model, x))  # replaced by a sound entry
+
+
+def test_an_entry_that_disagrees_with_eager_is_not_served():
+    model, x = _model(), torch.randn(2, 4)
+    _capture(model, x)
+    # The same key, other weights in the file: verification against eager refuses it.
+    (entry,) = (Path(cr.config.cache_path()) / "entries").iterdir()
+    other = torch.nn.Linear(4, 3).eval()
+    f = cr.compile(other)
+    with torch.no_grad():
+        f(x)
+    (other_entry,) = [e for e in (Path(cr.config.cache_path()) / "entries").iterdir() if e != entry]
+    (entry / "model.onnx").write_bytes((other_entry / "model.onnx").read_bytes())
+    again = _capture(model, x)
+    assert _exported(again)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model(x))
+
+
+def test_cache_off_leaves_no_files(tmp_path):
+    cr.config.cache_dir = None
+    _capture(_model(), torch.randn(2, 4))
+    assert cr.config.cache_path() is None and not list(tmp_path.iterdir())
+
+
+def test_an_unwritable_cache_warns_once_and_serves(tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory should be")
+    cr.config.cache_dir = blocked / "cache"
+    with pytest.warns(UserWarning, match="cannot be used"):
+        f = _capture(_model(), torch.randn(2, 4))
+    assert f.state is cr.CompiledFunction.State.Compiled
+
+
+def test_the_cache_is_its_owners_alone_and_ignores_symlinked_entries(tmp_path):
+    model, x = _model(), torch.randn(2, 4)
+    _capture(model, x)
+    root = Path(cr.config.cache_path())
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    (entry,) = (root / "entries").iterdir()
+    outside = tmp_path / "outside"
+    entry.rename(outside)
+    entry.symlink_to(outside)
+    assert _exported(_capture(model, x))  # the symlinked entry is not followed
+
+
+def test_cli_cache_info_list_clear(capsys):
+    _capture(_model(), torch.randn(2, 4))
+    root = str(cr.config.cache_path())
+    assert cli(["cache", "info", "--dir", root]) == 0 and "1 entries" in capsys.readouterr().out
+    assert cli(["cache", "list", "--dir", root]) == 0 and "Linear(input)" in capsys.readouterr().out
+    assert cli(["cache", "clear", "--dir", root]) == 0
+    assert cli(["cache", "info", "--dir", root]) == 0 and "0 entries" in capsys.readouterr().out
