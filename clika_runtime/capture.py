@@ -9,6 +9,7 @@ How a capture then serves calls (its hot-path closures) lives in ``hits.py``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, NamedTuple, Sequence
@@ -22,7 +23,7 @@ from clika_runtime import graph as graph_mod
 from clika_runtime import guards, hints, hits, metadata, treedesc, trees
 from clika_runtime.calls import CallForms, original_slots
 from clika_runtime.config import config
-from clika_runtime.describe import TensorInfo, outputs_of
+from clika_runtime.describe import TensorInfo
 from clika_runtime.errors import CaptureError, VerificationError
 from clika_runtime.guards import Guard, InputRule, dtype_name, evaluate
 from clika_runtime.key import CallKey, Described
@@ -140,14 +141,15 @@ def _build(
     phases["export"] = time.perf_counter() - started
     guard = _guard(plan, exported, list(call.feeds), place)
     scalar_out = {pos: type(eager_leaves[pos]) for pos in exported.graph_leaves if type(eager_leaves[pos]) in _SCALARS}
-    _attach_metadata(plan, exported, out_spec, eager_leaves, scalar_out, guard, parameters)
-    outputs = outputs_of(exported.model_proto)
+    metadata_entries = _metadata(plan, exported, out_spec, eager_leaves, scalar_out, guard, parameters)
+    outputs = tuple(TensorInfo(*o) for o in exporters.outputs(exported))
     started = time.perf_counter()
-    folder = graph_mod.GraphFolder.write(exported.model_proto, work_dir)  # the proto's weights go to the file
+    folder = graph_mod.GraphFolder(work_dir)
+    exporters.save(exported, str(folder.model), metadata_entries, graph_mod.EXTERNAL_ABOVE)
     phases["save"] = time.perf_counter() - started
     made = Made(plan, eager_out, folder, guard, list(exported.graph_leaves), dict(exported.constants), scalar_out,
                 names, tuple(bake(exported.state, exported.constants_read, owner, target)), outputs, phases)
-    return assemble(made, place, optimize, owner)
+    return assemble(made, place, optimize, owner, keep_optimized=work_dir is not None)
 
 
 @dataclass
@@ -167,20 +169,19 @@ class Made:
     phases: dict[str, float]
 
 
-def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.Module | None) -> Capture:
-    """Open the session of a written graph, make its closures, and verify it against eager."""
+def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.Module | None,
+             keep_optimized: bool = False) -> Capture:
+    """Open the session of a written graph, make its closures, and verify it against eager.
+
+    ``keep_optimized``: the folder keeps onnxruntime's optimised model for this machine, and a
+    folder that has one opens it without optimising again (the slow part of opening a big model).
+    """
     call = made.plan.call
     feeds = list(call.feeds)
     eager_leaves, out_spec = trees.flatten(made.eager_out)
     graph_outputs = [made.names[pos] for pos in made.graph_leaves]
     started = time.perf_counter()
-    try:
-        session = serving.open_session(
-            str(made.folder.model), place, optimize=optimize,
-            intra_op_threads=config.intra_op_threads or torch.get_num_threads(),
-        )
-    except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
-        raise CaptureError(f"onnxruntime could not load the exported graph: {hints.first_line(e)}") from e
+    session = _session(made.folder, place, optimize, keep_optimized)
     device = next((t.device for t in feeds if isinstance(t, torch.Tensor)), None)
     runner = serving.TorchRunner(
         session, place, call.names, graph_outputs,
@@ -202,6 +203,19 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
     _verify(capture, feeds, eager_leaves, made.names, made.eager_out)
     made.phases["verify"] = time.perf_counter() - started
     return capture
+
+
+def _session(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
+    optimized = folder.path / f"optimized-{hashlib.sha256(serving.machine_tag(place).encode()).hexdigest()[:16]}.onnx"
+    threads = config.intra_op_threads or torch.get_num_threads()
+    try:
+        if keep_optimized and optimize and optimized.is_file():
+            return serving.open_session(str(optimized), place, optimize=None, intra_op_threads=threads)
+        keep = str(optimized) if keep_optimized and optimize else None
+        return serving.open_session(str(folder.model), place, optimize=optimize, intra_op_threads=threads,
+                                    keep_optimized=keep)
+    except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
+        raise CaptureError(f"onnxruntime could not load the exported graph: {hints.first_line(e)}") from e
 
 
 def examples(feeds: Sequence[Any]) -> tuple[Example, ...]:
@@ -340,25 +354,23 @@ def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: 
         raise VerificationError(f"the graph disagrees with eager: {problem}{hints.disagreement(eager_out, capture)}")
 
 
-def _attach_metadata(
+def _metadata(
     plan: CapturePlan, exported: exporters.ExportedGraph, out_spec: optree.PyTreeSpec, eager_leaves: list[Any],
     scalar_out: dict[int, type], guard: Guard, parameters: Sequence[str],
-) -> None:
+) -> dict[str, str]:
+    """The graph's ``metadata_props`` (metadata.py's schema)."""
     call = plan.call
     fed = set(call.positions)
     in_leaves = {p: treedesc.static_leaf(v) for p, v in enumerate(call.leaves) if p not in fed}
     out_leaves: dict[int, dict[str, Any]] = {pos: treedesc.static_leaf(v) for pos, v in exported.constants.items()}
     for pos, kind in scalar_out.items():
         out_leaves[pos] = {"kind": "scalar", "type": _SCALARS[kind]}
-    metadata.attach(
-        exported.model_proto,
-        {
-            metadata.META_SCHEMA: str(metadata.SCHEMA),
-            metadata.META_VERSION: graph_mod.VERSION,
-            metadata.META_INPUTS: treedesc.describe(call.structure, in_leaves),
-            metadata.META_OUTPUTS: treedesc.describe(out_spec, out_leaves),
-            metadata.META_DIMS: {n: list(d) for n, d in zip(call.names, exported.input_dims)},
-            metadata.META_PARAMETERS: list(parameters),
-            metadata.META_GUARD: guards.to_json(guard),
-        },
-    )
+    return metadata.entries({
+        metadata.META_SCHEMA: str(metadata.SCHEMA),
+        metadata.META_VERSION: graph_mod.VERSION,
+        metadata.META_INPUTS: treedesc.describe(call.structure, in_leaves),
+        metadata.META_OUTPUTS: treedesc.describe(out_spec, out_leaves),
+        metadata.META_DIMS: {n: list(d) for n, d in zip(call.names, exported.input_dims)},
+        metadata.META_PARAMETERS: list(parameters),
+        metadata.META_GUARD: guards.to_json(guard),
+    })

@@ -11,8 +11,12 @@ Each step is noted (``f.capture_notes``); when no step is left, the last error i
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from clika_runtime import capture as capture_mod
 from clika_runtime import hints, restore, trees
@@ -21,6 +25,9 @@ from clika_runtime.planning import CapturePlan, learned_static, unlifted, varian
 from clika_runtime.sharing import TARGETS
 from clika_runtime.target import Target
 from clika_runtime.weights import watch_registrations
+
+logger = logging.getLogger("clika_runtime")
+PROGRESS_AFTER = 2.0  # seconds a capture runs before it says what it is doing
 
 
 @dataclass
@@ -40,6 +47,33 @@ def build(target: Target, plan: CapturePlan, out: Any) -> Attempt:
     Raises the last ``CaptureError`` when nothing is left to give up."""
     check_output_axes(target, out, plan)
     watch_registrations()
+    with _progress(target, plan) as attempt_of:
+        attempt = _cached_or_exported(target, plan, out)
+        attempt_of.append(attempt)
+    return attempt
+
+
+@contextlib.contextmanager
+def _progress(target: Target, plan: CapturePlan) -> Iterator[list[Attempt]]:
+    """Say what a capture is doing when it takes longer than ``PROGRESS_AFTER`` seconds (big models
+    take minutes), and how long each phase took when it is done."""
+    shapes = ", ".join(f"{n}[{','.join(map(str, v.shape))}]" if hasattr(v, "shape") else f"{n}={v}"
+                       for n, v in zip(plan.call.names, plan.call.feeds))
+    timer = threading.Timer(PROGRESS_AFTER, logger.info, ("capturing %s(%s) ...", target.graph_name, shapes))
+    timer.daemon = True
+    started, done = time.perf_counter(), []
+    timer.start()
+    try:
+        yield done
+    finally:
+        timer.cancel()
+        took = time.perf_counter() - started
+        if done and took > PROGRESS_AFTER:
+            phases = ", ".join(f"{k} {v:.1f} s" for k, v in done[0].capture.stats.phases.items())
+            logger.info("captured %s(%s) in %.1f s: %s", target.graph_name, shapes, took, phases)
+
+
+def _cached_or_exported(target: Target, plan: CapturePlan, out: Any) -> Attempt:
     slot = restore.slot_for(target, plan)
     if slot is not None:
         found = restore.restore(slot, target, plan, out)

@@ -178,7 +178,7 @@ def session_source(model_proto: Any) -> tuple[bytes | str, tempfile.TemporaryDir
 
 # Weights past this many bytes are written as external data: saving then needs no serialized copy
 # of them, and onnxruntime reads them from the file.
-_EXTERNAL_ABOVE = 16 * 2**20
+EXTERNAL_ABOVE = 16 * 2**20
 
 
 class GraphFolder:
@@ -204,7 +204,7 @@ class GraphFolder:
         import onnx
 
         folder = cls(parent)
-        large = sum(len(t.raw_data) for t in model_proto.graph.initializer) > _EXTERNAL_ABOVE
+        large = sum(len(t.raw_data) for t in model_proto.graph.initializer) > EXTERNAL_ABOVE
         if large:
             onnx.save_model(model_proto, str(folder.model), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=f"{cls.MODEL}.data", size_threshold=1024)

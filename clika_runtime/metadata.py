@@ -43,11 +43,15 @@ class Metadata:
     guard: Guard | None  # None: schema 1 (no shipped guard)
 
 
-def attach(model_proto: Any, entries: Mapping[str, Any]) -> None:
-    """Set ``metadata_props`` entries (JSON-encoded unless already strings)."""
+def entries(values: Mapping[str, Any]) -> dict[str, str]:
+    """``metadata_props`` entries: JSON-encoded unless already strings."""
+    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in values.items()}
+
+
+def attach(model_proto: Any, values: Mapping[str, Any]) -> None:
+    """Set ``metadata_props`` entries of a ``ModelProto`` (JSON-encoded unless already strings)."""
     existing = {p.key: p for p in model_proto.metadata_props}
-    for key, value in entries.items():
-        text = value if isinstance(value, str) else json.dumps(value)
+    for key, text in entries(values).items():
         if key in existing:
             existing[key].value = text
         else:

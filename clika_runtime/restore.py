@@ -54,7 +54,8 @@ def restore(slot: Slot, target: Target, plan: CapturePlan, out: Any) -> tuple[ca
         return None
     try:
         made, used = _made(entry, target, plan, out, slot)
-        capture = capture_mod.assemble(made, target.place_for(used.call.feeds), target.optimize, target.owner)
+        capture = capture_mod.assemble(made, target.place_for(used.call.feeds), target.optimize, target.owner,
+                                       keep_optimized=True)
     except (CaptureError, KeyError, TypeError, ValueError) as e:  # stale or foreign: export afresh
         logger.debug("disk cache: entry %s not used: %s", slot.key, e)
         return None

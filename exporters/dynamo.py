@@ -8,6 +8,7 @@ import inspect
 import io
 import logging
 import math
+import os
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ class ExportedGraph:
     """What one export produced.
 
     Attributes:
-        model_proto: the graph, with inputs, outputs and dims named.
+        model: the graph (an ``onnx_ir.Model``: its weights still view the module's tensors, so
+            nothing is copied until it is saved; ``save`` writes it), inputs, outputs and dims named.
         input_dims: per graph input, each axis as an int (static) or its dim name (dynamic).
         graph_leaves: positions, in the flat output of ``fn``, of the leaves the graph computes.
         constants: the other output leaves, by position, as traced (baked into the capture).
@@ -53,7 +55,7 @@ class ExportedGraph:
             plain tensor attributes), by the exporter's name for them (the live objects).
     """
 
-    model_proto: onnx.ModelProto
+    model: ir.Model
     input_dims: list[tuple[int | str | None, ...]]
     graph_leaves: list[int]
     constants: dict[int, Any]
@@ -203,7 +205,7 @@ def export_graph(
     input_dims = graph_edits.input_dims(model)
     trees, opaque, reads = _conditions(program.exported_program, input_dims, examples, numbers["specialized"])
     return ExportedGraph(
-        model_proto=ir.to_proto(model),
+        model=model,
         input_dims=input_dims,
         graph_leaves=list(graph_leaves),
         constants=dict(flat.plan()["constants"]),
@@ -245,6 +247,38 @@ def _conditions(
     }
     trees, opaque = conds.dead_conditions(program)
     return trees, opaque, reads
+
+
+def outputs(exported: ExportedGraph) -> list[tuple[str, str, tuple[int | str, ...]]]:
+    """Each graph output's name, dtype name (numpy's, or "bfloat16") and dims (int or dim name)."""
+    found = []
+    for value in exported.model.graph.outputs:
+        dims = tuple(d if isinstance(d, int) else str(d.value) for d in value.shape or ())
+        found.append((value.name, _dtype_name(value.dtype), dims))
+    return found
+
+
+def model_bytes(exported: ExportedGraph) -> int:
+    """The bytes of the weights the graph holds."""
+    return sum(v.const_value.nbytes for v in exported.model.graph.initializers.values() if v.const_value is not None)
+
+
+def save(exported: ExportedGraph, path: str, metadata: Mapping[str, str], external_above: int) -> None:
+    """Write the graph (with ``metadata`` in its ``metadata_props``) to ``path``; weights past
+    ``external_above`` bytes go to ``<path>.data`` beside it. Tensors stream from the module's
+    memory to the file: no serialized copy of the weights is ever made."""
+    model = exported.model
+    model.metadata_props.update(metadata)
+    external = f"{os.path.basename(path)}.data" if model_bytes(exported) > external_above else None
+    ir.save(model, path, external_data=external, size_threshold_bytes=1024)
+
+
+def _dtype_name(dtype: ir.DataType | None) -> str:
+    if dtype is None:
+        return "unknown"
+    if dtype == ir.DataType.BFLOAT16:
+        return "bfloat16"
+    return dtype.numpy().name
 
 
 def _owned(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:

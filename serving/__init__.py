@@ -6,7 +6,7 @@ Imports nothing of torch at import time: a deployment box may have only onnxrunt
 from serving.ort_types import DTYPE_NAMES
 from serving.providers import Place, available, cuda_available, resolve
 from serving.runners import NumpyRunner, TorchRunner, with_torch_stream
-from serving.session import ProviderMissing, metadata, open_session
+from serving.session import ProviderMissing, machine_tag, metadata, open_session
 
 __all__ = [
     "DTYPE_NAMES",
@@ -16,6 +16,7 @@ __all__ = [
     "TorchRunner",
     "available",
     "cuda_available",
+    "machine_tag",
     "metadata",
     "open_session",
     "resolve",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 from typing import Any
 
 import onnxruntime as ort
@@ -9,12 +11,22 @@ import onnxruntime as ort
 from serving.providers import Place
 
 
-def session_options(optimize: bool, intra_op_threads: int | None) -> ort.SessionOptions:
-    """Session options: full graph optimisation unless ``optimize`` is False (debugging numerics)."""
+def session_options(optimize: bool | None, intra_op_threads: int | None, keep_optimized: str | None = None
+                    ) -> ort.SessionOptions:
+    """Session options: full graph optimisation, or basic when ``optimize`` is False (debugging
+    numerics), or none when ``optimize`` is None (a model onnxruntime already optimised).
+    ``keep_optimized``: a path where onnxruntime writes the model as it optimised it (weights in
+    ``<path>.data``), so a later session can open it without optimising again."""
     options = ort.SessionOptions()
     options.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_DISABLE_ALL if optimize is None else
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     )
+    if keep_optimized is not None:
+        options.optimized_model_filepath = keep_optimized
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                         f"{os.path.basename(keep_optimized)}.data")
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     if intra_op_threads:
         options.intra_op_num_threads = intra_op_threads
     # One graph at a time per call: inter-op parallelism only adds thread hand-offs for these graphs.
@@ -29,7 +41,8 @@ class ProviderMissing(RuntimeError):
 
 
 def open_session(
-    model: bytes | str, place: Place, *, optimize: bool = True, intra_op_threads: int | None = None
+    model: bytes | str, place: Place, *, optimize: bool | None = True, intra_op_threads: int | None = None,
+    keep_optimized: str | None = None,
 ) -> ort.InferenceSession:
     """An ``InferenceSession`` for a serialized model (or a path) on ``place``.
 
@@ -38,13 +51,24 @@ def open_session(
     """
     session = ort.InferenceSession(
         model,
-        sess_options=session_options(optimize, intra_op_threads),
+        sess_options=session_options(optimize, intra_op_threads, keep_optimized),
         providers=place.provider_list,
     )
     got = session.get_providers()
     if place.primary not in got:
         raise ProviderMissing(f"onnxruntime did not start {place.primary} (session runs on {', '.join(got)})")
     return session
+
+
+def machine_tag(place: Place) -> str:
+    """What an optimised model is specific to: the onnxruntime version, the provider, the CPU."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    except OSError:  # not Linux: the platform's word for the CPU will do
+        pass
+    return f"{ort.__version__} {place.primary} {cpu}"
 
 
 def metadata(session: ort.InferenceSession) -> dict[str, Any]:
