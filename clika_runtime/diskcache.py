@@ -92,6 +92,9 @@ class DiskCache:
             meta = _read_json(folder / ENTRY)
             if meta.get("schema") != SCHEMA or not (folder / meta.get("model", "")).is_file():
                 raise ValueError("not an entry of this version, or its model file is missing")
+            sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.name in meta.get("files", {})}
+            if sizes != meta.get("files"):
+                raise ValueError("its files are not the ones it was written with (truncated?)")
             os.utime(folder / ENTRY)  # its last use, for the eviction order
             return Entry(folder, meta)
         except (OSError, ValueError) as e:
@@ -104,7 +107,8 @@ class DiskCache:
         try:
             for path in files:
                 link_or_copy(path, staging / path.name)
-            (staging / ENTRY).write_text(json.dumps({**meta, "schema": SCHEMA}))
+            sizes = {path.name: path.stat().st_size for path in files}
+            (staging / ENTRY).write_text(json.dumps({**meta, "schema": SCHEMA, "files": sizes}))
             target = self.root / "entries" / key
             if target.is_symlink():
                 target.unlink()  # never followed: replaced
@@ -118,15 +122,6 @@ class DiskCache:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         self._evict()
-
-    def add_file(self, key: str, source: Path, name: str) -> None:
-        """Add a file (an optimised model) to an existing entry, atomically."""
-        folder = self.root / "entries" / key
-        if not folder.is_dir():
-            return
-        temporary = folder / f".{name}.{os.getpid()}.tmp"
-        link_or_copy(source, temporary)
-        os.replace(temporary, folder / name)
 
     # ---------------------------------------------------------------------------------- functions
 
