@@ -20,8 +20,8 @@ import torch
 import exporters
 import serving
 from clika_runtime import graph as graph_mod
-from clika_runtime import guards, hints, hits, metadata, treedesc, trees
-from clika_runtime.calls import CallForms, original_slots
+from clika_runtime import guards, hints, hits, kvcache, metadata, treedesc, trees
+from clika_runtime.calls import CallForms
 from clika_runtime.config import config
 from clika_runtime.describe import TensorInfo
 from clika_runtime.errors import CaptureError, VerificationError
@@ -85,6 +85,7 @@ class Capture:
     stats: Stats
     run: Callable[[Sequence[Any]], Any]
     flat: Callable[[tuple], Any] | None
+    finish: Callable[[Any, tuple, dict], Any] | None = None  # a served call's KV-cache write-back (kvcache.writeback)
 
     def __repr__(self) -> str:
         return f"<Capture {', '.join(map(str, self.guard.inputs))}>"
@@ -198,6 +199,7 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
         key=call.key, described=call.described, names=call.names, positions=call.positions,
         dynamic=tuple(dict(d) for d in made.plan.dynamic), guard=made.guard, example=examples(feeds),
         baked=made.baked, folder=made.folder, outputs=made.outputs, parts=parts, stats=stats, run=run, flat=flat,
+        finish=kvcache.writeback(call.canonical, made.eager_out),
     )
     started = time.perf_counter()
     _verify(capture, feeds, eager_leaves, made.names, made.eager_out)
@@ -229,8 +231,7 @@ def examples(feeds: Sequence[Any]) -> tuple[Example, ...]:
 def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> Callable[..., list[Any]]:
     """The target as a function of the fed leaves, called exactly as the user called it."""
     call = plan.call
-    structure, slots = original_slots(forms, call.args, call.kwargs)
-    original = trees.flatten((call.args, call.kwargs))[0]
+    structure, slots, original = call.original  # as the call was made: the eager call may have changed it (a KV cache)
     into = [slots[p] for p in call.positions]
     same = [(first, other) for group in plan.ties for first, other in zip(group, group[1:])]
 
@@ -250,7 +251,7 @@ def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> 
 def output_names_of(eager_out: Any, eager_leaves: list[Any], given: Sequence[str] | None) -> list[str]:
     """A name per output leaf: the user's ``output_names`` for the leaves a graph computes, else
     names from the output pytree's keys and paths."""
-    defaults = trees.output_names(eager_out, eager_leaves)
+    defaults = kvcache.renamed(trees.flatten(eager_out)[1], trees.output_names(eager_out, eager_leaves), kvcache.PRESENT)
     if given is None:
         return defaults
     computed = [i for i, leaf in enumerate(eager_leaves) if isinstance(leaf, (torch.Tensor, int, float))]
@@ -368,8 +369,8 @@ def _metadata(
     return metadata.entries({
         metadata.META_SCHEMA: str(metadata.SCHEMA),
         metadata.META_VERSION: graph_mod.VERSION,
-        metadata.META_INPUTS: treedesc.describe(call.structure, in_leaves),
-        metadata.META_OUTPUTS: treedesc.describe(out_spec, out_leaves),
+        metadata.META_INPUTS: kvcache.shipped(treedesc.describe(call.structure, in_leaves)),
+        metadata.META_OUTPUTS: kvcache.shipped(treedesc.describe(out_spec, out_leaves)),
         metadata.META_DIMS: {n: list(d) for n, d in zip(call.names, exported.input_dims)},
         metadata.META_PARAMETERS: list(parameters),
         metadata.META_GUARD: guards.to_json(guard),

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from clika_runtime.errors import CaptureError
+from clika_runtime.key import Unkeyable
 
 logger = logging.getLogger("clika_runtime")
 
@@ -33,6 +34,8 @@ def check_outputs(leaves: Sequence[Any]) -> None:
         if isinstance(leaf, torch.Tensor):
             if leaf.dtype not in _ONNX_DTYPES:
                 raise CaptureError(f"output {pos}: dtype {leaf.dtype} has no ONNX type")
+        elif isinstance(leaf, Unkeyable):  # a KV cache the adapter refuses (kvcache.Refused): why and the fix
+            raise CaptureError(f"output {pos}: {leaf}")
         elif not isinstance(leaf, _OUTPUT_VALUES):
             kind = type(leaf).__name__
             fix = (" (a key/value cache: call the model with use_cache=False, or let the decoder support serve it)"

@@ -162,9 +162,11 @@ def general(table: "CacheTable", args: tuple, kwargs: dict, with_shapes: bool, o
     for capture in variants:  # almost always one; more when the trace branched on sizes
         if capture.guard.check(feeds) is None:
             try:
-                return capture.run(feeds)
+                out = capture.run(feeds)
             except Exception as error:
                 raise RunFailed(capture, error) from error
+            finish = capture.finish  # a KV cache the call passed, updated in place (kvcache.writeback)
+            return out if finish is None else finish(out, args, kwargs)
     return MISS
 
 

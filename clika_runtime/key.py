@@ -66,6 +66,8 @@ def static_value(leaf: Any) -> Hashable:
         return (kind, leaf, copysign(1.0, leaf)) if leaf == leaf else (kind, _NAN)
     if isinstance(leaf, (enum.Enum, *_BY_IDENTITY)):
         return (kind, leaf)
+    if isinstance(leaf, Unkeyable):  # a node that refuses to be keyed says why (kvcache.Refused)
+        raise Unkeyable(str(leaf))
     if isinstance(leaf, (_Tensor, torch.nn.Module)):
         raise Unkeyable(f"a {kind.__name__} passed where only tensor leaves feed the graph")
     if kind.__hash__ is None:

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable
 
-from clika_runtime import degrade, hints, restore, trees
+from clika_runtime import degrade, hints, kvcache, restore, trees
 from clika_runtime.capture import Capture
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError
@@ -100,6 +100,7 @@ class Lifecycle:
         table = self.table
         if table.state is State.Fallback:
             return Eager(), None, table.generation
+        kvcache.register()  # KV-cache classes flatten through their adapter (before torch's registry is mirrored)
         trees.sync_registry()  # node types registered since the last miss flatten from now on
         table = self._weights_checked(table)
         target = self.target
@@ -134,9 +135,10 @@ class Lifecycle:
 
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
-            return capture.run(call.feeds)
+            out = capture.run(call.feeds)
         except Exception as error:
             return self.run_failed(RunFailed(capture, error), args, kwargs)
+        return out if capture.finish is None else capture.finish(out, *call.canonical)  # a KV cache written back
 
     # ------------------------------------------------------------------------------ capturing
 
@@ -148,6 +150,7 @@ class Lifecycle:
                 return self._give_up(_mutation(mutated), generation, lambda: out)
         else:
             (out,) = eager
+        plan = kvcache.planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
         try:
             attempt = degrade.build(self.target, plan, out)
         except CaptureError as error:

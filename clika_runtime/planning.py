@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
 import torch
 
-from clika_runtime import trees
-from clika_runtime.calls import CallForms
+from clika_runtime import kvcache, trees
+from clika_runtime.calls import CallForms, original_slots
 from clika_runtime.config import config
 from clika_runtime.errors import SignatureError, SignatureValueError
 from clika_runtime.guards import SPECIAL_BELOW
@@ -54,11 +54,17 @@ class Call:
 
     def __init__(
         self, forms: CallForms, args: tuple, kwargs: dict, owner: torch.nn.Module | None,
-        knowledge: Knowledge, options: Options, lifted: frozenset[int] | None = None,
+        knowledge: Knowledge, options: Options, lifted: frozenset[int] | None = None, made: "Call | None" = None,
     ) -> None:
         self.args, self.kwargs, self._forms, self._options = args, kwargs, forms, options
-        self.canonical = forms(args, kwargs)
-        self.leaves, self.structure = trees.flatten(self.canonical)
+        if made is None:
+            self.canonical = forms(args, kwargs)
+            self.leaves, self.structure = trees.flatten(self.canonical)
+            # The call as made, before the eager call runs (it may update a KV cache in place): the tracer rebuilds it.
+            self.original = (*original_slots(forms, args, kwargs), trees.flatten((args, kwargs))[0])
+        else:  # flattened before the eager call, which may have updated a KV cache the call holds since
+            self.canonical, self.leaves, self.structure, self.original = made.canonical, made.leaves, made.structure, made.original
+            self.__dict__["paths"] = made.paths
         self.lifted = lifted if lifted is not None else _initial_lift(self, knowledge, options)
         self.feeds, statics, metas, self.grad = split(self.leaves, self.lifted, options.shapes_in_key)
         self.key = CallKey(self.structure, statics, metas, owner.training if owner is not None else None)
@@ -66,7 +72,7 @@ class Call:
 
     def with_lift(self, lifted: frozenset[int], owner: torch.nn.Module | None) -> "Call":
         """The same call with another set of Python numbers fed to the graph."""
-        return Call(self._forms, self.args, self.kwargs, owner, Knowledge(), self._options, lifted)
+        return Call(self._forms, self.args, self.kwargs, owner, Knowledge(), self._options, lifted, made=self)
 
     @cached_property
     def paths(self) -> tuple[str, ...]:
@@ -75,7 +81,7 @@ class Call:
         for path in trees.leaf_paths(self.canonical, self.leaves):
             head = self._forms.argument_name(int(path[1])) if path[0] == "0" else path[1]
             names.append(trees.identifier((head, *path[2:]), "input"))
-        return tuple(names)
+        return tuple(kvcache.renamed(self.structure, names, kvcache.PAST))  # past_key_values.0.key
 
     @cached_property
     def names(self) -> tuple[str, ...]:

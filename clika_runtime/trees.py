@@ -67,6 +67,19 @@ def sync_registry() -> None:
         )
 
 
+def own(cls: type, flatten_fn: Callable[[Any], Any], unflatten_fn: Callable[[Any, Any], Any]) -> None:
+    """Register ``cls`` in our namespace with our own functions (optree's signatures), in place of
+    any mirror of torch's registration, which ``sync_registry`` then leaves alone (KV caches:
+    ``kvcache.py`` decides how they flatten, whatever torch's registry says)."""
+    if cls in _mirrored:
+        try:
+            optree.unregister_pytree_node(cls, namespace=NAMESPACE)
+        except ValueError:  # marked but never registered here
+            pass
+    _mirrored.add(cls)
+    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)
+
+
 def _flatten_with_entries(node: Any) -> Any:
     """optree flatten function for a torch pytree node, with key names as entries when torch has them."""
     flatten_fn, with_keys = node.flatten_fn, node.flatten_with_keys_fn

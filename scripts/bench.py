@@ -1,11 +1,20 @@
 """Benchmarks: torch eager, torch.compile (inductor), raw onnxruntime and clika_runtime, one process.
 
-    python scripts/bench.py [--workloads mlp_b1 cnn_b1 ...] [--no-inductor] [--rounds 21] [--block 0.02]
+    python scripts/bench.py [--sections served weights first-call cold-start threads decode real-size]
+                            [--workloads mlp_b1 cnn_b1 ...] [--no-inductor] [--rounds 21] [--block 0.02]
 
-Every variant runs on 1 thread (torch and onnxruntime). Timings are interleaved in rounds (each
-round times every variant once, in shuffled order). The table gives each variant's median per
-call; each ratio is the median over rounds of that round's ratio, so it compares numbers measured
-under the same machine load. Figures go to docs/BENCHMARKS.md.
+Sections (default: all but real-size, which takes minutes):
+- served: the served call against eager, inductor and onnxruntime (bare run, and bound once: the floor);
+- weights: the per-call cost of checking that baked weights are unchanged;
+- first-call: the first compiled call against the same steps done by hand;
+- cold-start: a fresh process's first call with an empty and a warm on-disk cache (bench_startup.py);
+- threads: two threads on a compiled function against two on InferenceSession.run (bench_threads.py);
+- decode: time per generated token, eager against served (bench_decode.py);
+- real-size: BERT-base and GPT-2 small captures, memory and speed (bench_realsize.py).
+
+Every variant runs on 1 thread (torch and onnxruntime) but in real-size. Timings are interleaved in
+rounds (scripts/timing.py); each ratio is the median over rounds of that round's ratio, so it
+compares numbers measured under the same machine load. Figures go to docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -13,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -28,6 +36,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import measure, paired_ratio  # noqa: E402
 from workloads import Workload, build  # noqa: E402
 
 import clika_runtime as cr  # noqa: E402
@@ -41,48 +50,17 @@ TARGETS = {  # workload -> [(ratio name, limit)]
 }
 
 
-def per_call_us(fn: Callable[[], Any], block_s: float) -> Callable[[], float]:
-    """Calibrate a block of calls lasting about ``block_s``; return a timer of one block (us per call)."""
-    n, start = 1, time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    n = max(1, int(block_s / once))
-
-    def block() -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - start) / n * 1e6
-
-    return block
-
-
-def measure(variants: dict[str, Callable[[], Any]], rounds: int, block_s: float) -> dict[str, float]:
-    for fn in variants.values():  # warm up every variant before any timing
-        for _ in range(20):
-            fn()
-    blocks = {name: per_call_us(fn, block_s) for name, fn in variants.items()}
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    order = list(variants)
-    for _ in range(rounds):
-        random.shuffle(order)
-        for name in order:
-            samples[name].append(blocks[name]())
-    return samples
-
-
-def paired_ratio(a: list[float], b: list[float]) -> float:
-    """Median over rounds of a/b, each pair timed in the same round: the load on this shared
-    machine drifts between rounds far more than within one."""
-    return statistics.median(x / y for x, y in zip(a, b))
-
-
 def session_for(graph: cr.ModelGraph) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return ort.InferenceSession(graph.model_proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def current(f: Any) -> Any:
+    """The capture a compiled function served last (its graph and runner)."""
+    return f._lifecycle.table.current()
 
 
 def floor_binding(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> Any:
@@ -107,7 +85,7 @@ def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
         f(*inputs)
         f(*w.inputs(w.size))
     assert f.state is cr.CompiledFunction.State.Compiled, f.recapture_reasons
-    graph = cr.ModelGraph(f._current.model_proto)  # the same graph the compiled function serves
+    graph = current(f).graph()  # the same graph the compiled function serves
     session = session_for(graph)
     feeds = {name: t.numpy() for name, t in zip(graph.input_names, inputs)}
     binding = floor_binding(session, feeds)
@@ -131,7 +109,7 @@ def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
         variants["inductor"] = inductor
     variants["ort_run"] = lambda: session.run(None, feeds)
     variants["floor"] = lambda: session.run_with_iobinding(binding)
-    runner, feeds_in_order = f._current._runner, list(inputs)
+    runner, feeds_in_order = current(f).parts.runner, list(inputs)
     variants["runner"] = lambda: runner.run(feeds_in_order)  # the graph's run alone: no checks, no output tree
     variants["clika"] = lambda: f(*inputs)
     with torch.no_grad():
@@ -216,8 +194,45 @@ def first_call(w: Workload, rounds: int = 3) -> dict[str, tuple[float, float]]:
     return {kind: (med[f"{kind} hand"], med[f"{kind} clika"]) for kind in ("cold", "warm")}
 
 
+WEIGHT_CHECK_US = {"mlp_b1": 0.5}  # the per-call cost allowed, in us
+WEIGHT_CHECK_SHARE = {"gpt2_tiny_s32": 0.02}  # ... and as a share of a served call
+
+
+def weights_check(names: tuple[str, ...], rounds: int, block: float) -> list[str]:
+    """The per-call cost of ``Watch.fresh()`` (weights unchanged?) against a served call."""
+    lines = []
+    for w in build(names):
+        inputs = w.inputs(w.size)
+        f = cr.compile(w.model)
+        with torch.no_grad():
+            f(*inputs)
+            f(*inputs)
+        fresh = f._lifecycle.table.watch.fresh
+        baked = len(f._lifecycle.table.watch.baked)
+
+        def served() -> Any:
+            with torch.no_grad():
+                return f(*inputs)
+
+        samples = measure({"check": fresh, "served": served}, rounds, block)
+        check, share = min(samples["check"]), paired_ratio(samples["check"], samples["served"])
+        verdicts = []
+        if w.name in WEIGHT_CHECK_US:
+            verdicts.append(f"target <= {WEIGHT_CHECK_US[w.name]} us {'met' if check <= WEIGHT_CHECK_US[w.name] else 'MISSED'}")
+        if w.name in WEIGHT_CHECK_SHARE:
+            limit = WEIGHT_CHECK_SHARE[w.name]
+            verdicts.append(f"target <= {limit:.0%} {'met' if share <= limit else 'MISSED'}")
+        lines.append(f"weights check ({w.name}, {baked} tensors): {check:.2f} us per call, {share:.1%} of a served "
+                     f"call" + (f" ({'; '.join(verdicts)})" if verdicts else ""))
+    return lines
+
+
+SECTIONS = ("served", "weights", "first-call", "cold-start", "threads", "decode", "real-size")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s != "real-size"], choices=SECTIONS)
     parser.add_argument("--workloads", nargs="*", default=None)
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
     parser.add_argument("--rounds", type=int, default=21)
@@ -228,12 +243,34 @@ def main() -> int:
     torch.set_num_threads(1)
     print(f"machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores; python {platform.python_version()}, "
           f"torch {torch.__version__}, onnxruntime {ort.__version__}, clika_runtime {cr.__version__}; 1 thread")
+    verdicts: list[str] = []
+    if "served" in args.sections:
+        verdicts += served_section(args)
+    if "weights" in args.sections:
+        verdicts += weights_check(("mlp_b1", "gpt2_tiny_s32"), args.rounds, args.block)
+    if "first-call" in args.sections and args.first_call:
+        (w,) = build((args.first_call,))
+        for kind, (hand, ours) in first_call(w).items():
+            verdicts.append(f"first call ({w.name}, {kind}): by hand {hand:.2f} s, clika {ours:.2f} s, ratio {ours / hand:.2f} "
+                            f"(target <= 1.3) {'met' if ours / hand <= 1.3 else 'MISSED'}")
+    for section, script in (("cold-start", "bench_startup.py"), ("threads", "bench_threads.py"),
+                            ("decode", "bench_decode.py"), ("real-size", "bench_realsize.py")):
+        if section in args.sections:
+            done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / script)],
+                                  capture_output=True, text=True)
+            verdicts += (done.stdout.strip() or f"{section}: failed\n{done.stderr[-2000:]}").splitlines()
+    print("\n" + "\n".join(verdicts))
+    return 0
+
+
+def served_section(args: argparse.Namespace) -> list[str]:
+    """The served-call table (printed) and its verdicts."""
     workloads = build(tuple(args.workloads) if args.workloads else None)
     columns = ("eager", "inductor", "ort_run", "floor", "runner", "clika")
     header = f"{'workload':<24}" + "".join(f"{c:>10}" for c in columns) + \
         "   clika/eager  clika/ort_run  clika/floor  runner/floor"
     print("\nmedian us per call\n" + header)
-    verdicts = []
+    verdicts: list[str] = []
     for w in workloads:
         r = bench_workload(w, args)
         samples = r["_samples"]
@@ -247,13 +284,7 @@ def main() -> int:
         for ratio, limit in TARGETS.get(w.name, []):
             verdict = "met" if ratios[ratio] <= limit else "MISSED"
             verdicts.append(f"{w.name}: {ratio} {ratios[ratio]:.3f} (target <= {limit}) {verdict}")
-    if args.first_call:
-        (w,) = build((args.first_call,))
-        for kind, (hand, ours) in first_call(w).items():
-            verdicts.append(f"first call ({w.name}, {kind}): by hand {hand:.2f} s, clika {ours:.2f} s, ratio {ours / hand:.2f} "
-                            f"(target <= 1.3) {'met' if ours / hand <= 1.3 else 'MISSED'}")
-    print("\n" + "\n".join(verdicts))
-    return 0
+    return verdicts
 
 
 if __name__ == "__main__":

@@ -45,6 +45,13 @@ def _gpt2() -> torch.nn.Module:
     return GPT2Model(config)
 
 
+def _bert() -> torch.nn.Module:
+    from transformers import BertConfig, BertModel
+
+    return BertModel(BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                                vocab_size=1000, max_position_embeddings=128))
+
+
 def build(names: tuple[str, ...] | None = None) -> list[Workload]:
     """The workloads of docs/BENCHMARKS.md, in eval mode, seeded."""
     torch.manual_seed(0)
@@ -52,12 +59,14 @@ def build(names: tuple[str, ...] | None = None) -> list[Workload]:
     cnn = CNN()
     layer = torch.nn.TransformerEncoderLayer(256, 4, batch_first=True)
     gpt2 = _gpt2()
+    bert = _bert()
     all_workloads = [
         Workload("mlp_b1", mlp, lambda b: (torch.randn(b, 64),), 1, (1, 4)),
         Workload("cnn_b1", cnn, lambda b: (torch.randn(b, 3, 32, 32),), 1, (1, 3)),
         Workload("cnn_b16", cnn, lambda b: (torch.randn(b, 3, 32, 32),), 16, (16, 5)),
         Workload("transformer_layer_s128", layer, lambda s: (torch.randn(1, s, 256),), 128, (128, 17)),
         Workload("gpt2_tiny_s32", gpt2, lambda s: (torch.randint(0, 1000, (1, s)),), 32, (32, 9)),
+        Workload("bert_tiny_s32", bert, lambda s: (torch.randint(0, 1000, (1, s)),), 32, (32, 9)),
     ]
     for w in all_workloads:
         w.model.eval()
