@@ -16,13 +16,17 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 import serving
-from clika_runtime import metadata
-from clika_runtime.errors import GraphFileError, PlaceError
+from clika_runtime import graphfile, metadata
+from clika_runtime.errors import ClikaError, GraphFileError, PlaceError
 from clika_runtime.guards import Guard
 from serving import DTYPE_NAMES as ONNX_TYPE_NAMES
 
 logger = logging.getLogger("clika_runtime")
 
+# Inputs are generated up to this many elements each: a graph that declares a static size of
+# 10**12 (or a capture example that large) gets a failed check, not an allocation that never ends.
+MAX_GENERATED_ELEMENTS = 2**26
+SAFE_TO_OPEN = "readable, reads only files in its folder"  # the first check: graphfile.check
 
 
 @dataclass
@@ -71,6 +75,7 @@ def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise GraphFileError(f"{path}: no such file")
+    graphfile.check(path)
     try:
         model = onnx.load_model(str(path), load_external_data=False)
     except Exception as e:
@@ -79,15 +84,20 @@ def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
     def describe(value: Any) -> dict[str, Any]:
         tensor = value.type.tensor_type
         dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in tensor.shape.dim]
-        return {"name": value.name, "dtype": onnx.TensorProto.DataType.Name(tensor.elem_type).lower(), "dims": dims}
+        known = tensor.elem_type in onnx.TensorProto.DataType.values()
+        dtype = onnx.TensorProto.DataType.Name(tensor.elem_type) if known else f"unknown type {tensor.elem_type}"
+        return {"name": value.name, "dtype": dtype.lower(), "dims": dims}
 
     from clika_runtime.describe import describe_graph
-    from clika_runtime.graph import check_external_data
 
-    check_external_data(model, path)
     nodes = list(model.graph.node)
     data = [path.parent / location for location in _external_files(model)]
-    description = describe_graph(model, str(path))
+    try:
+        description = describe_graph(model, str(path))
+    except GraphFileError:
+        raise
+    except (KeyError, ValueError) as e:  # a hostile element type has no numpy dtype
+        raise GraphFileError(f"{path}: the graph's inputs or outputs do not parse: {e}") from None
     return {
         "capture": {"key": description.key, "guard": description.guard},
         "path": str(path),
@@ -153,6 +163,12 @@ def validate_graph(
         path = _check_triton_folder(path, report)
         if path is None:
             return report
+    try:  # before anything opens the file: the checker and onnxruntime would read its external data
+        graphfile.check(path)
+        report.add(SAFE_TO_OPEN, True)
+    except GraphFileError as e:
+        report.add(SAFE_TO_OPEN, False, _first_line(e))
+        return report
     try:
         onnx.checker.check_model(str(path), full_check=True)
         report.add("onnx checker (full)", True)
@@ -173,7 +189,12 @@ def validate_graph(
     except Exception as e:
         report.add(f"loads in onnxruntime on {place}", False, _first_line(e))
         return report
-    guard = _guard(session, str(path))
+    try:
+        guard = _guard(session, str(path))
+        report.add("clika_runtime metadata", True)
+    except GraphFileError as e:
+        report.add("clika_runtime metadata", False, _first_line(e))
+        return report
     graph_dims = _dim_names(session)
     sizes = {name: _default_sizes(guard, name) for name in graph_dims}
     unknown = sorted(set(dims or {}) - set(graph_dims))
@@ -218,11 +239,16 @@ def _check_triton_folder(folder: Path, report: Report) -> Path | None:
 
 
 def _guard(session: Any, where: str) -> Guard:
-    """The graph's shipped guard, or one read from its declared input shapes."""
-    from clika_runtime.served import declared_guard
+    """The graph's shipped guard (checked to describe the graph), or one read from its declared
+    input shapes; ``GraphFileError`` for metadata that is malformed or describes another graph."""
+    from clika_runtime.served import declared_guard, tensor_info
 
     found = metadata.read(serving.metadata(session), where)
-    return found.guard if found is not None and found.guard is not None else declared_guard(session)
+    if found is None:
+        return declared_guard(session)
+    declared = [tensor_info(i) for i in session.get_inputs()], [tensor_info(o) for o in session.get_outputs()]
+    metadata.check_fits(found, *declared, where)
+    return found.guard if found.guard is not None else declared_guard(session)
 
 
 def _default_sizes(guard: Guard, dim: str) -> list[int]:
@@ -272,10 +298,10 @@ def _feeds(session: Any, guard: Guard, assignment: Mapping[str, int], rng: np.ra
     for value in session.get_inputs():
         name = ONNX_TYPE_NAMES.get(value.type)
         dtype = np.dtype(name).type if name and name != "bfloat16" and not name.startswith("complex") else None
-        if dtype is None:
+        shape = [assignment.get(d, 1) if isinstance(d, str) or d is None else d for d in value.shape or ()]
+        if dtype is None or min(shape, default=0) < 0 or np.prod(shape, dtype=object) > MAX_GENERATED_ELEMENTS:
             feeds[value.name] = None
             continue
-        shape = [assignment.get(d, 1) if isinstance(d, str) or d is None else d for d in value.shape]
         if not shape and f"#{value.name}" in example:
             feeds[value.name] = np.asarray(example[f"#{value.name}"], dtype=dtype)
         elif np.issubdtype(dtype, np.floating):
@@ -290,15 +316,19 @@ def _feeds(session: Any, guard: Guard, assignment: Mapping[str, int], rng: np.ra
 def _run_once(session: Any, feeds: Mapping[str, Any], assignment: Mapping[str, int]) -> tuple[bool, str]:
     missing = [name for name, value in feeds.items() if value is None]
     if missing:
-        return False, f"input(s) {missing}: a type that cannot be generated"
+        return False, (f"input(s) {missing}: a type that cannot be generated, or more than "
+                       f"{MAX_GENERATED_ELEMENTS:,} elements")
     try:
         outs = session.run(None, dict(feeds))
     except Exception as e:
         return False, _first_line(e)
     problems = []
     for meta, out in zip(session.get_outputs(), outs):
-        for axis, d in enumerate(meta.shape):
-            if isinstance(d, int) and axis < np.ndim(out) and np.shape(out)[axis] != d:
+        if np.ndim(out) != len(meta.shape or ()):
+            problems.append(f"output '{meta.name}': rank {np.ndim(out)}, graph declares {len(meta.shape or ())}")
+            continue
+        for axis, d in enumerate(meta.shape or ()):
+            if isinstance(d, int) and np.shape(out)[axis] != d:
                 problems.append(f"output '{meta.name}' axis {axis}: {np.shape(out)[axis]}, graph declares {d}")
             if isinstance(d, str) and d in assignment and np.shape(out)[axis] != assignment[d]:
                 problems.append(f"output '{meta.name}' axis {axis} ({d}): {np.shape(out)[axis]}, expected {assignment[d]}")
@@ -317,7 +347,10 @@ def _compare_reference(session: Any, reference: str | os.PathLike, rtol: float, 
     missing = [n for n in inputs if n not in data]
     if missing:
         return False, f"reference lacks input(s) {missing}; it holds {sorted(data.files)}"
-    outs = session.run(None, {n: data[n] for n in inputs})
+    try:
+        outs = session.run(None, {n: data[n] for n in inputs})
+    except Exception as e:  # onnxruntime's types, or numpy refusing a pickled array
+        return False, f"the graph does not run on the reference inputs: {_first_line(e)}"
     compared = []
     for meta, out in zip(session.get_outputs(), outs):
         if meta.name not in data:
