@@ -15,13 +15,14 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from pathlib import Path, PureWindowsPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
 
 import onnx
 
 from clika_runtime import pbtxt
 from clika_runtime.errors import DeployError
+from clika_runtime.graphfile import escapes
 from clika_runtime.graph import VERSION, too_big
 
 if TYPE_CHECKING:
@@ -321,7 +322,7 @@ def _reference_problems(model_proto: Any) -> list[str]:
     outside the model's folder, and otherwise too, since there is nothing to copy."""
     problems = []
     for tensor, location in _external_locations(model_proto):
-        if _escapes(location):
+        if escapes(location):
             problems.append(_escape_problem(tensor, location))
         else:
             problems.append(f"tensor '{tensor}': weights left in the external file {location!r}, not in the graph: "
@@ -332,31 +333,43 @@ def _reference_problems(model_proto: Any) -> list[str]:
 def _external_locations(model_proto: Any) -> list[tuple[str, str]]:
     return [
         (t.name, next((e.value for e in t.external_data if e.key == "location"), ""))
-        for t in _all_tensors(model_proto.graph) if t.data_location == _T.EXTERNAL
+        for t in _all_tensors(model_proto) if t.data_location == _T.EXTERNAL
     ]
 
 
-def _all_tensors(graph: Any) -> Iterator[Any]:
-    """Initializers and tensor attributes, in subgraphs too: every tensor that can hold weights."""
+def _all_tensors(model_proto: Any) -> Iterator[Any]:
+    """Every tensor that can hold weights: initializers (sparse ones too) and tensor attributes, in
+    the graph, its subgraphs and the model's functions (graphfile.py reads the same from a file)."""
+    yield from _graph_tensors(model_proto.graph)
+    for function in model_proto.functions:
+        yield from _attribute_tensors(function.attribute_proto)
+        for node in function.node:
+            yield from _attribute_tensors(node.attribute)
+
+
+def _graph_tensors(graph: Any) -> Iterator[Any]:
     yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
     for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                yield from _all_tensors(subgraph)
+        yield from _attribute_tensors(node.attribute)
+
+
+def _attribute_tensors(attributes: Any) -> Iterator[Any]:
+    for attribute in attributes:
+        if attribute.HasField("t"):
+            yield attribute.t
+        yield from attribute.tensors
+        one_sparse = [attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else []
+        for tensor in one_sparse + list(attribute.sparse_tensors):
+            yield from (tensor.values, tensor.indices)
+        for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+            yield from _graph_tensors(subgraph)
 
 
 def _escape_problem(tensor: str, location: str) -> str:
     return (f"tensor '{tensor}': external data location {location!r} is absolute or climbs out of the model's "
             f"folder ('..'): refused, it would read a file outside the repository")
-
-
-def _escapes(location: str) -> bool:
-    """Absolute (POSIX or Windows form) or with a '..' part: onnxruntime would read outside the folder."""
-    path = PureWindowsPath(location)  # splits on both '/' and '\\'
-    return bool(path.drive or path.root) or ".." in path.parts
 
 
 # ------------------------------------------------------------------------------------------ checking
@@ -490,7 +503,7 @@ def _stored_data_problems(model_proto: Any, folder: Path) -> list[str]:
     for tensor, location in _external_locations(model_proto):
         where = f"tensor '{tensor}': external data location {location!r}"
         path = folder / location
-        if _escapes(location):
+        if escapes(location):
             problems.append(_escape_problem(tensor, location))
         elif not path.is_file():
             problems.append(f"{where}: no such file in {folder}")
