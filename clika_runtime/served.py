@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -49,13 +49,13 @@ class ServedGraph:
         # Before onnxruntime opens it: what the file makes its reader read or run besides itself.
         graphfile.check(model) if isinstance(model, str) else graphfile.check_serialized(model, where)
         self._session = _open(model, self._place, where)
-        self._declared = ([tensor_info(i) for i in self._session.get_inputs()],
-                          [tensor_info(o) for o in self._session.get_outputs()])
+        declared = read_session(self._session, where)
+        self._declared = (declared.inputs, declared.outputs)
         self._types = treedesc.allowed_types(output_types)
-        found = _described(self._session, self._declared, self._types, where)
+        found = _described(declared, self._types, where)
         self._where = where
-        self.input_names = [i.name for i in self._session.get_inputs()]
-        self.output_names = [o.name for o in self._session.get_outputs()]
+        self.input_names = [i.name for i in declared.inputs]
+        self.output_names = [o.name for o in declared.outputs]
         self._inputs = found.inputs if found else None
         self._outputs = found.outputs if found else None
         self._parameters = found.parameters if found else []
@@ -196,13 +196,31 @@ class ServedGraph:
         return self._torch.run(tensors)
 
 
-def _described(session: Any, declared: tuple[list[TensorInfo], list[TensorInfo]], types: Mapping[str, type],
-               where: str) -> metadata.Metadata | None:
+class Declared(NamedTuple):
+    """What an onnxruntime session says of its graph."""
+
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    metadata: dict[str, str]
+
+
+def read_session(session: Any, where: str) -> Declared:
+    """The session's declared inputs, outputs and metadata; ``GraphFileError`` when the file's
+    names or metadata are not UTF-8 (onnxruntime's Python binding raises ``UnicodeDecodeError``
+    on reading them, on every read: they are read once here)."""
+    try:
+        return Declared([tensor_info(i) for i in session.get_inputs()], [tensor_info(o) for o in session.get_outputs()],
+                        serving.metadata(session))
+    except UnicodeDecodeError as e:
+        raise GraphFileError(f"{where}: a name or metadata value in the graph is not UTF-8 text ({e.reason})") from None
+
+
+def _described(declared: Declared, types: Mapping[str, type], where: str) -> metadata.Metadata | None:
     """The graph's clika_runtime metadata, checked against the graph it ships with and the output
     classes allowed here; ``None`` for a graph from another tool."""
-    found = metadata.read(serving.metadata(session), where)
+    found = metadata.read(declared.metadata, where)
     if found is not None:
-        metadata.check_fits(found, *declared, where)
+        metadata.check_fits(found, declared.inputs, declared.outputs, where)
         try:
             treedesc.check_types(found.outputs, types)
         except ValueError as e:

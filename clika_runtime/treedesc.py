@@ -96,7 +96,7 @@ def validated(description: Any) -> dict[str, Any]:
 
 def _check_leaf(node: Mapping[str, Any], path: str) -> None:
     kind = node["kind"]
-    if kind == "scalar" and node.get("type") not in _SCALAR_TYPES:
+    if kind == "scalar" and not (isinstance(node.get("type"), str) and node["type"] in _SCALAR_TYPES):
         raise ValueError(f"tree description at {path}: unknown scalar type {str(node.get('type'))[:30]!r}")
     if kind == "const" and ("value" not in node or not isinstance(node["value"], (type(None), bool, int, float, str))):
         raise ValueError(f"tree description at {path}: a constant needs a value: null, a bool, a number or a string")

@@ -241,13 +241,13 @@ def _check_triton_folder(folder: Path, report: Report) -> Path | None:
 def _guard(session: Any, where: str) -> Guard:
     """The graph's shipped guard (checked to describe the graph), or one read from its declared
     input shapes; ``GraphFileError`` for metadata that is malformed or describes another graph."""
-    from clika_runtime.served import declared_guard, tensor_info
+    from clika_runtime.served import declared_guard, read_session
 
-    found = metadata.read(serving.metadata(session), where)
+    declared = read_session(session, where)  # names decoded once here: later reads of them succeed
+    found = metadata.read(declared.metadata, where)
     if found is None:
         return declared_guard(session)
-    declared = [tensor_info(i) for i in session.get_inputs()], [tensor_info(o) for o in session.get_outputs()]
-    metadata.check_fits(found, *declared, where)
+    metadata.check_fits(found, declared.inputs, declared.outputs, where)
     return found.guard if found.guard is not None else declared_guard(session)
 
 
