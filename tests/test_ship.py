@@ -269,6 +269,15 @@ def test_loaded_graph_takes_python_numbers_with_numpy_arrays(tmp_path):
     np.testing.assert_array_equal(served(np.arange(5.0, dtype=np.float32), 2), np.array([2.0, 3.0], np.float32))
 
 
+def test_loaded_graph_returns_torch_structseqs(tmp_path):
+    f = cr.compile(lambda x: torch.max(x, 1))
+    x = torch.randn(2, 3)
+    f(x)
+    out = cr.load(f.take_graph().save(tmp_path / "max.onnx"))(x)  # torch.return_types.max: a registered node
+    assert type(out) is torch.return_types.max
+    torch.testing.assert_close(out.values, torch.max(x, 1).values)
+
+
 def test_console_script_and_module_entry_point(shipped):
     _, _, path, _ = shipped
     script = Path(sys.executable).parent / "clika-runtime"
