@@ -436,6 +436,25 @@ def test_a_graph_failing_in_onnxruntime_is_a_graph_run_error(tmp_path):
         served(np.array([42]))
 
 
+def test_names_and_metadata_that_are_not_utf8_are_refused(shipped, tmp_path):
+    proto = _with_metadata(shipped, dims="@@@@")
+    path = tmp_path / "latin.onnx"
+    path.write_bytes(proto.SerializeToString().replace(b"@@@@", b"\xff\xfe\xfd\xfc"))
+    with pytest.raises(GraphFileError, match=r"a name or metadata value in the graph is not UTF-8 text"):
+        cr.load(path)
+
+
+def test_validate_does_not_allocate_what_a_graph_declares(tmp_path):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [10**12])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "huge", [x],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [10**12])])
+    path = tmp_path / "huge.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = validate_graph(path)
+    assert not report.passed
+    assert report.checks[-1].detail == "input(s) ['x']: a type that cannot be generated, or more than 67,108,864 elements"
+
+
 # ------------------------------------------------------------------------------------ external data
 
 
@@ -457,6 +476,11 @@ def _linked_folder(folder: Path) -> str:
     return "sub/weights.bin"
 
 
+def _fifo(folder: Path) -> str:
+    os.mkfifo(folder / "weights.bin")  # a reader opening it would wait for a writer forever
+    return "weights.bin"
+
+
 def _beside(folder: Path) -> str:
     shutil.copy(folder.parent / "secrets" / "weights.bin", folder / "weights.bin")
     return "weights.bin"
@@ -468,6 +492,7 @@ ESCAPES = {  # case: (how the model's folder is made, where the weights' locatio
     "a link to a file outside": (_linked_file, "initializer", r"'weights\.bin' links out of the model's folder"),
     "a path through a linked folder": (_linked_folder, "initializer", r"'sub/weights\.bin' links out of the model's"),
     "a Constant node's tensor climbing out": (_climbing, "constant", r"tensor 'planted': external data location '\.\./"),
+    "a FIFO in the folder": (_fifo, "initializer", r"'weights\.bin' is not a regular file"),
 }
 
 
