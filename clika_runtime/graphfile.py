@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
 from typing import Iterator
@@ -75,7 +76,7 @@ def check(path: str | os.PathLike) -> None:
         raise GraphFileError(f"{path}: cannot read it: {e.strerror or e}") from None
     # The folder as the runtime sees it: the parent of the path it is given, links not followed.
     folder = path.absolute().parent
-    problems = [f"tensor '{r.tensor}': external data location {r.location!r} {why}"
+    problems = [f"tensor '{r.tensor}': external data location {_shown(r.location)} {why}"
                 for r in contents.references if (why := outside(folder, r.location))]
     _refuse(str(path), [_code_problem(n) for n in contents.code_nodes] + problems)
 
@@ -84,7 +85,7 @@ def check_serialized(model: bytes, where: str) -> None:
     """``GraphFileError`` unless a serialised model holds all its data and no node runs code: a
     model in memory has no folder its references could be resolved against."""
     contents = scan(memoryview(model), where)
-    problems = [f"tensor '{r.tensor}': data left in the external file {r.location!r}, not in the model: "
+    problems = [f"tensor '{r.tensor}': data left in the external file {_shown(r.location)}, not in the model: "
                 f"load it with ModelGraph.load(path), which reads its external data" for r in contents.references]
     _refuse(where, [_code_problem(n) for n in contents.code_nodes] + problems)
 
@@ -93,6 +94,11 @@ def _refuse(where: str, problems: list[str]) -> None:
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise GraphFileError(f"{where}: {'; '.join(problems[:3])}{more}")
+
+
+def _shown(location: str) -> str:
+    """A location as an error shows it: the file decides its length, the message does not."""
+    return repr(location) if len(location) <= 100 else f"{location[:100]!r}..."
 
 
 def _code_problem(node: str) -> str:
@@ -105,14 +111,20 @@ def outside(folder: Path, location: str) -> str | None:
     file inside that folder, or ``None`` when it would not."""
     if not location:
         return "is empty: it names no file"
+    if "\0" in location:  # the runtime's C++ would read the name up to it; Python refuses it
+        return "holds a NUL character"
     if escapes(location):
         return "is absolute or climbs out of the model's folder ('..')"
-    target = (folder / location).resolve()
-    if not target.is_relative_to(folder.resolve()):
-        return "links out of the model's folder"
-    if not target.exists():
+    try:
+        target = (folder / location).resolve()
+        if not target.is_relative_to(folder.resolve()):
+            return "links out of the model's folder"
+        mode = target.stat().st_mode
+    except FileNotFoundError:
         return f"names no file in {folder}"
-    if not target.is_file():  # a folder, a FIFO that would block the reader, a device
+    except (OSError, RuntimeError) as e:  # a link loop (RuntimeError before Python 3.13), a name too long
+        return f"cannot be resolved: {getattr(e, 'strerror', None) or e}"
+    if not stat.S_ISREG(mode):  # a folder, a FIFO that would block the reader, a device
         return "is not a regular file"
     return None
 
@@ -171,7 +183,7 @@ def _tensor(data: memoryview, start: int, end: int, references: list[Reference])
             external = value_start == _EXTERNAL
     if external or entries:
         # os.fsdecode: the path exactly as the runtime would open it, undecodable bytes included
-        references.append(Reference(name.decode("utf-8", "replace")[:200], os.fsdecode(location or b"")))
+        references.append(Reference(name.decode("utf-8", "replace")[:100], os.fsdecode(location or b"")))
 
 
 def _entry(data: memoryview, start: int, end: int) -> tuple[bytes, bytes]:

@@ -481,6 +481,11 @@ def _fifo(folder: Path) -> str:
     return "weights.bin"
 
 
+def _loop(folder: Path) -> str:
+    (folder / "loop").symlink_to("loop")
+    return "loop"
+
+
 def _beside(folder: Path) -> str:
     shutil.copy(folder.parent / "secrets" / "weights.bin", folder / "weights.bin")
     return "weights.bin"
@@ -493,6 +498,9 @@ ESCAPES = {  # case: (how the model's folder is made, where the weights' locatio
     "a path through a linked folder": (_linked_folder, "initializer", r"'sub/weights\.bin' links out of the model's"),
     "a Constant node's tensor climbing out": (_climbing, "constant", r"tensor 'planted': external data location '\.\./"),
     "a FIFO in the folder": (_fifo, "initializer", r"'weights\.bin' is not a regular file"),
+    "a link loop": (_loop, "initializer", r"'loop' cannot be resolved: Symlink loop"),
+    "a NUL in the name": (lambda folder: "weights.bin\0.txt", "initializer", r"'weights\.bin\\x00\.txt' holds a NUL"),
+    "a name too long": (lambda folder: "w" * 300, "initializer", r"'w{100}'\.\.\. cannot be resolved: File name too long"),
 }
 
 
