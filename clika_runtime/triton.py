@@ -22,7 +22,7 @@ import onnx
 
 from clika_runtime import pbtxt
 from clika_runtime.errors import DeployError
-from clika_runtime.graphfile import escapes
+from clika_runtime.graphfile import escapes, outside
 from clika_runtime.graph import VERSION, too_big
 
 if TYPE_CHECKING:
@@ -474,6 +474,8 @@ def latest_model(model_folder: str | os.PathLike, filename: str = MODEL_FILE) ->
     if not versions:
         return None, None
     version = max(versions)
+    if escapes(filename):  # a hostile config's default_model_filename: never a path out of the folder
+        return version, None
     path = folder / str(version) / filename
     if path.is_dir():
         path = path / MODEL_FILE
@@ -482,6 +484,9 @@ def latest_model(model_folder: str | os.PathLike, filename: str = MODEL_FILE) ->
 
 def _config_problems(config: TritonConfig, folder_name: str) -> list[str]:
     problems = _name_problems(config.name or folder_name)
+    if escapes(config.model_filename):
+        problems.append(f"default_model_filename {config.model_filename[:100]!r} is absolute or climbs out of the "
+                        f"version folder ('..'): refused, it would read a file outside the repository")
     # core model_repository_manager.cc: "directory name must equal model name".
     if config.name and config.name != folder_name:
         problems.append(f"config name '{config.name}' differs from its folder's name '{folder_name}': "
@@ -499,16 +504,13 @@ def _config_problems(config: TritonConfig, folder_name: str) -> list[str]:
 
 
 def _stored_data_problems(model_proto: Any, folder: Path) -> list[str]:
+    """Weights the stored model reads from anything but a regular file in its folder."""
     problems = []
     for tensor, location in _external_locations(model_proto):
-        where = f"tensor '{tensor}': external data location {location!r}"
-        path = folder / location
         if escapes(location):
             problems.append(_escape_problem(tensor, location))
-        elif not path.is_file():
-            problems.append(f"{where}: no such file in {folder}")
-        elif not path.resolve().is_relative_to(folder.resolve()):
-            problems.append(f"{where} links out of the model's folder: it would read a file outside the repository")
+        elif (why := outside(folder, location)) is not None:  # missing, linked out, not a file, unresolvable
+            problems.append(f"tensor '{tensor}': external data location {location[:100]!r} {why}")
     return problems
 
 
