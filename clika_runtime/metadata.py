@@ -34,8 +34,8 @@ META_GUARD = "clika_runtime.guard"
 MAX_VALUE_BYTES = 4 * 2**20  # far above any real description; a 50 MB value is an attack or a bug
 _MAX_SCHEMA_DIGITS = 9
 # Output dtypes a "scalar" leaf (a Python number the graph computes) can be read from.
-_NUMBER_DTYPES = {"bool", "bfloat16"} | {f"{k}{b}" for k in ("int", "uint") for b in (8, 16, 32, 64)} | {
-    f"float{b}" for b in (16, 32, 64)}
+_NUMBER_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                            "float16", "bfloat16", "float32", "float64"})
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,10 @@ class ServedGraph:
         self._place = _resolve_place(place)
         where = model if isinstance(model, str) else "graph"
         # Before onnxruntime opens it: what the file makes its reader read or run besides itself.
-        graphfile.check(model) if isinstance(model, str) else graphfile.check_serialized(model, where)
+        if isinstance(model, str):
+            graphfile.check(model)
+        else:
+            graphfile.check_serialized(model, where)
         self._session = _open(model, self._place, where)
         declared = read_session(self._session, where)
         self._declared = (declared.inputs, declared.outputs)

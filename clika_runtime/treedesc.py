@@ -5,8 +5,9 @@ A description names classes (``"module:Qualname"``) but never decides what runs:
 built-in containers, and classes the *caller* allows by name (node types this process registered
 with torch's pytree, and the ``output_types`` given to ``cr.load``). No module is imported and no
 other class is called; a class that is not allowed comes back as a plain tuple or dict, with one
-line on the ``clika_runtime`` logger. An allowed class is called only with the fields its
-signature takes (``check_types``, at load time), so a description cannot make it fail later.
+line on the ``clika_runtime`` logger. A node naming an allowed class is checked at load time
+against the class (``check_types``: a namedtuple's length, a structseq's field counts, the
+keywords a signature takes), so a description cannot make the call fail on that account.
 """
 
 from __future__ import annotations
