@@ -455,6 +455,16 @@ def test_validate_does_not_allocate_what_a_graph_declares(tmp_path):
     assert report.checks[-1].detail == "input(s) ['x']: a type that cannot be generated, or more than 67,108,864 elements"
 
 
+def test_inspect_refuses_an_element_type_onnx_does_not_know(tmp_path):
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "xy")
+    x.type.tensor_type.elem_type = 999
+    path = tmp_path / "unknown.onnx"
+    onnx.save_model(helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])),
+                    str(path))
+    with pytest.raises(GraphFileError, match=r"the graph's inputs or outputs do not parse: 999"):
+        inspect_graph(path)  # was a KeyError, a traceback from the command
+
+
 # ------------------------------------------------------------------------------------ external data
 
 
