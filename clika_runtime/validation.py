@@ -17,7 +17,7 @@ import numpy as np
 
 import serving
 from clika_runtime import graphfile, metadata
-from clika_runtime.errors import ClikaError, GraphFileError, PlaceError
+from clika_runtime.errors import GraphFileError, PlaceError
 from clika_runtime.guards import Guard
 from serving import DTYPE_NAMES as ONNX_TYPE_NAMES
 
