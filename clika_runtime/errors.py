@@ -39,6 +39,11 @@ class GraphFileError(ClikaError, ValueError):
     """A graph file is missing, truncated, corrupt, or lacks its external data."""
 
 
+class GraphRunError(ClikaError, RuntimeError):
+    """onnxruntime failed running a loaded graph on inputs its guard accepted (a node's own
+    check, such as an index past the end of a table); the message is onnxruntime's."""
+
+
 class DeployError(ClikaError, ValueError):
     """A graph cannot be deployed as asked (e.g. a Triton repository that Triton would refuse)."""
 

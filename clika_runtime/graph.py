@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from clika_runtime import metadata
+from clika_runtime import graphfile, metadata
 from clika_runtime.errors import GraphFileError
 from clika_runtime.specs import PlaceLike
 
@@ -132,15 +132,16 @@ class ModelGraph:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ModelGraph":
-        """Read a ``.onnx`` file (with its external data, if any, which must lie in its folder)."""
+        """Read a ``.onnx`` file (with its external data, if any, which must be regular files in its
+        folder); ``GraphFileError`` for a file that reaches outside it or whose metadata is malformed."""
         import onnx
 
         path = existing(path)
+        graphfile.check(path)
         try:
             proto = onnx.load_model(str(path), load_external_data=False)
         except Exception as e:
             raise GraphFileError(f"{path}: not a readable ONNX model (truncated or corrupt?): {e}") from e
-        check_external_data(proto, path)
         try:
             onnx.load_external_data_for_model(proto, str(path.parent))
         except FileNotFoundError as e:
@@ -223,22 +224,3 @@ def existing(path: str | os.PathLike) -> Path:
     if not path.is_file():
         raise GraphFileError(f"{path}: no such file")
     return path
-
-
-def check_external_data(model_proto: Any, path: Path) -> None:
-    """Refuse external data that lies outside the model's folder (an absolute ``location``, or one
-    that climbs out with ``..`` or a symlink): a graph file must not read arbitrary files."""
-    folder = path.resolve().parent
-    for tensor in external_tensors(model_proto):
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-        target = (folder / location).resolve()
-        if not location or Path(location).is_absolute() or ".." in Path(location).parts or folder not in target.parents:
-            raise GraphFileError(
-                f"{path}: initializer '{tensor.name}' keeps its data at {location!r}, outside the model's folder; "
-                f"external data must be a file beside the model"
-            )
-
-
-def external_tensors(model_proto: Any) -> list[Any]:
-    """Initializers (in the main graph) whose data lives in an external file."""
-    return [t for t in model_proto.graph.initializer if any(e.key == "location" for e in t.external_data)]

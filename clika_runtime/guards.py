@@ -14,6 +14,7 @@ No torch at module level: a loaded graph is guarded on a box with only onnxrunti
 from __future__ import annotations
 
 import operator
+import re
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Sequence
@@ -32,6 +33,13 @@ OPS: dict[str, tuple[Any, str]] = {
     "not": (operator.not_, "not"), "max": (max, "max"), "min": (min, "min"),
 }
 _INFIX = {"eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "floordiv", "mod", "and", "or"}
+_ARITY = {"neg": (1, 1), "not": (1, 1), "max": (2, 64), "min": (2, 64)}  # (fewest, most); the others take 2
+# Bounds on a shipped guard, far above what a trace produces: with int64 constants, evaluating
+# every condition of a call stays cheap whatever the file says.
+MAX_CONDITION_DEPTH = 32
+MAX_CONDITION_NODES = 10_000
+_INT64 = (-(2**63), 2**63 - 1)
+_DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # Sizes 0 and 1 are where tracers assume most (broadcasting, 0/1 specialisation): in process, a
 # graph serves a dynamic dim at these sizes only once a call at that size was verified against eager.
 SPECIAL_BELOW = 2
@@ -175,11 +183,14 @@ class Guard:
         exact = self._exact
         if exact is not None and len(feeds) == len(exact):  # the common case, without the walk
             cpu = self.device == "cpu"
-            for feed, (shape, accept) in zip(feeds, exact):
-                if feed.shape != shape or feed.dtype not in accept or (cpu and not feed.is_cpu):
-                    break
-            else:
-                return None
+            try:
+                for feed, (shape, accept) in zip(feeds, exact):
+                    if feed.shape != shape or feed.dtype not in accept or (cpu and not feed.is_cpu):
+                        break
+                else:
+                    return None
+            except AttributeError:  # not an array: the walk says what it is
+                pass
         return next(self._walk(feeds), None)
 
     def mismatches(self, feeds: Sequence[Any]) -> list[Mismatch]:
@@ -187,8 +198,8 @@ class Guard:
         return list(self._walk(feeds))
 
     def outcomes(self, feeds: Sequence[Any]) -> tuple[Any, ...]:
-        """Each size condition's value for these feeds."""
-        return tuple(evaluate(tree, feeds) for tree, _ in self.conditions)
+        """Each size condition's value for these feeds (``None`` where it divides by zero)."""
+        return tuple(_defined(tree, feeds) for tree, _ in self.conditions)
 
     def point(self, feeds: Sequence[Any]) -> Verified | None:
         """Where ``feeds`` lie outside what the graph was traced for (sizes 0/1 to verify, sizes
@@ -279,8 +290,9 @@ class Guard:
             yield Mismatch(kind, *_first(self.inputs, name), _interval(lo, hi) if kind == "range" else "verified", size)
         for i in flipped:
             tree, expected = self.conditions[i]
+            now = "undefined (division by zero)" if outcomes[i] is None else outcomes[i]
             yield Mismatch("condition", None, None, expected, outcomes[i], f"{render(tree, self.names)} was "
-                           f"{expected}, now {outcomes[i]}")
+                           f"{expected}, now {now}")
 
     def _unusual(self, sizes: dict[str, int]) -> dict[str, int]:
         """Dims whose size the graph was not traced for: outside their range, or (in process)
@@ -327,21 +339,30 @@ def to_json(guard: Guard) -> dict[str, Any]:
 
 
 def from_json(data: Mapping[str, Any]) -> Guard:
-    """Parse the shipped form; ``ValueError`` naming what is malformed."""
+    """Parse the shipped form; ``ValueError`` naming what is malformed.
+
+    Everything is checked here, so that no call can fail on it later: ints are int64 (sizes
+    and numbers in the graph are), conditions use known ops with their arity, read sizes of
+    shaped inputs on axes they have and numbers of number inputs, and are bounded in size.
+    """
     if not isinstance(data, Mapping) or data.get("version") != GUARD_VERSION:
         version = data.get("version") if isinstance(data, Mapping) else None
-        raise ValueError(f"guard: unknown version {version!r} (this clika_runtime reads version {GUARD_VERSION})")
+        raise ValueError(f"guard: unknown version {_brief(version)} "
+                         f"(this clika_runtime reads version {GUARD_VERSION})")
     try:
         inputs = tuple(_rule_from(r) for r in data["inputs"])
-        ranges = tuple((str(n), int(lo), None if hi is None else int(hi)) for n, (lo, hi) in data.get("ranges", {}).items())
-        conditions = tuple((_tree_from(c["when"], len(inputs)), _scalar(c["is"])) for c in data.get("conditions", []))
+        ranges = tuple((_dim(n), _int(lo), _optional_int(hi)) for n, (lo, hi) in data.get("ranges", {}).items())
+        budget = [MAX_CONDITION_NODES]
+        conditions = tuple((_tree_from(c["when"], inputs, budget), _scalar(c["is"]))
+                           for c in data.get("conditions", []))
         verified = tuple(
-            Verified(tuple(sorted((str(k), int(v)) for k, v in p["sizes"].items())), tuple(map(_scalar, p["outcomes"])))
+            Verified(tuple(sorted((_name(k), _int(v)) for k, v in p["sizes"].items())),
+                     tuple(map(_outcome, p["outcomes"])))
             for p in data.get("verified", [])
         )
-        example = tuple((str(k), int(v)) for k, v in data.get("example", {}).items())
+        example = tuple((_name(k), _int(v)) for k, v in data.get("example", {}).items())
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"guard: malformed ({type(e).__name__}: {e})") from None
+        raise ValueError(f"guard: malformed ({type(e).__name__}: {str(e)[:200]})") from None
     return Guard(inputs, ranges, conditions, verified, example)
 
 
@@ -365,6 +386,13 @@ def _dims_read(inputs: Sequence[InputRule], tree: Sequence[Any]) -> frozenset[st
     if tree[0] == "const":
         return frozenset()
     return frozenset().union(*(_dims_read(inputs, child) for child in tree[1:]))
+
+
+def _defined(tree: Sequence[Any], feeds: Sequence[Any]) -> Any:
+    try:
+        return evaluate(tree, feeds)
+    except ZeroDivisionError:  # a size that is 0 now divides: undefined, so never the value at capture
+        return None
 
 
 def _is_integer(value: Any) -> bool:
@@ -407,11 +435,13 @@ def _rule_json(rule: InputRule) -> dict[str, Any]:
 
 
 def _rule_from(data: Mapping[str, Any]) -> InputRule:
-    name, dtype = str(data["name"]), str(data["dtype"])
+    name, dtype = _name(data["name"]), data["dtype"]
+    if not isinstance(dtype, str) or not _DTYPE_NAME.fullmatch(dtype):
+        raise ValueError(f"input '{name}': dtype {_brief(dtype)} is not a dtype name")
     if "number" in data:
         lo, hi = data["number"]
-        return InputRule(name, dtype, None, (None if lo is None else int(lo), None if hi is None else int(hi)))
-    shape = tuple(d if isinstance(d, str) else int(d) for d in data["shape"])
+        return InputRule(name, dtype, None, (_optional_int(lo), _optional_int(hi)))
+    shape = tuple(_dim(d) if isinstance(d, str) else _int(d, low=0) for d in data["shape"])
     return InputRule(name, dtype, shape)
 
 
@@ -421,23 +451,78 @@ def _tree_json(tree: Sequence[Any]) -> list[Any]:
     return [tree[0], *(_tree_json(child) for child in tree[1:])]
 
 
-def _tree_from(data: Any, n_inputs: int, depth: int = 0) -> tuple:
-    """A condition tree from JSON, checked: known ops, inputs in range, bounded depth."""
-    if not isinstance(data, list) or not data or depth > 32:
-        raise ValueError(f"condition: expected a non-empty list, got {str(data)[:40]!r}")
-    kind = data[0]
-    if kind == "size" and len(data) == 3 and 0 <= int(data[1]) < n_inputs:
-        return ("size", int(data[1]), int(data[2]))
-    if kind == "num" and len(data) == 2 and 0 <= int(data[1]) < n_inputs:
-        return ("num", int(data[1]))
-    if kind == "const" and len(data) == 2:
-        return ("const", _scalar(data[1]))
-    if kind in OPS and len(data) >= 2:
-        return (kind, *(_tree_from(child, n_inputs, depth + 1) for child in data[1:]))
-    raise ValueError(f"condition: unknown node {str(data)[:40]!r}")
+def _tree_from(data: Any, inputs: Sequence[InputRule], budget: list[int], depth: int = 0) -> tuple:
+    """A condition tree from JSON, checked: known ops with their arity, sizes of shaped inputs on
+    axes they have, numbers of number inputs, int64 constants, bounded depth and node count."""
+    budget[0] -= 1
+    if not isinstance(data, list) or not data or depth > MAX_CONDITION_DEPTH or budget[0] < 0:
+        raise ValueError(f"condition: expected a list of at most {MAX_CONDITION_DEPTH} levels and "
+                         f"{MAX_CONDITION_NODES} nodes in all, got {_brief(data)}")
+    kind, args = data[0], data[1:]
+    if kind == "size" and len(args) == 2:
+        index, axis = _index(args[0], inputs), _int(args[1], low=0)
+        if inputs[index].shape is None or axis >= len(inputs[index].shape):
+            raise ValueError(f"condition: input '{inputs[index].name}' has no axis {axis}")
+        return ("size", index, axis)
+    if kind == "num" and len(args) == 1:
+        index = _index(args[0], inputs)
+        if inputs[index].shape is not None:
+            raise ValueError(f"condition: input '{inputs[index].name}' is not a number")
+        return ("num", index)
+    if kind == "const" and len(args) == 1:
+        return ("const", _scalar(args[0]))
+    fewest, most = _ARITY.get(kind, (2, 2)) if isinstance(kind, str) and kind in OPS else (1, 0)
+    if fewest <= len(args) <= most:
+        return (kind, *(_tree_from(child, inputs, budget, depth + 1) for child in args))
+    raise ValueError(f"condition: unknown node {_brief(kind)} with {len(args)} argument(s)")
+
+
+def _index(value: Any, inputs: Sequence[InputRule]) -> int:
+    index = _int(value, low=0)
+    if index >= len(inputs):
+        raise ValueError(f"condition: input {index} out of range ({len(inputs)} inputs)")
+    return index
+
+
+def _int(value: Any, low: int = _INT64[0]) -> int:
+    """An int within int64 (and at least ``low``): what a size or a number in the graph can be."""
+    if type(value) is not int or not low <= value <= _INT64[1]:
+        raise ValueError(f"expected an int in [{low}, {_INT64[1]}], got {_brief(value)}")
+    return value
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else _int(value)
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a name, got {_brief(value)}")
+    return value
+
+
+def _dim(value: Any) -> str:
+    """A dim name: ``#`` starts the names of lifted numbers where sizes are recorded, so none may."""
+    if _name(value).startswith(_NUMBER):
+        raise ValueError(f"dim name {_brief(value)} starts with '{_NUMBER}'")
+    return value
 
 
 def _scalar(value: Any) -> Any:
-    if isinstance(value, (bool, int)):
+    if isinstance(value, bool) or (type(value) is int and _INT64[0] <= value <= _INT64[1]):
         return value
-    raise ValueError(f"expected an int or bool, got {value!r}")
+    raise ValueError(f"expected an int64 or a bool, got {_brief(value)}")
+
+
+def _outcome(value: Any) -> Any:
+    """A verified point's condition value: also ``None``, a condition undefined there (``outcomes``)."""
+    return None if value is None else _scalar(value)
+
+
+def _brief(value: Any) -> str:
+    """A hostile value in an error message: short, and never a deep repr (which could recurse)."""
+    if isinstance(value, (list, dict)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if type(value) is int and value.bit_length() > 64:  # repr of a huge int is slow, or refused
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)[:40] if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 import serving
-from clika_runtime import metadata, treedesc
+from clika_runtime import graphfile, metadata, treedesc
 from clika_runtime.config import config
 from clika_runtime.describe import TensorInfo
-from clika_runtime.errors import GraphFileError, GraphInputError, PlaceError
+from clika_runtime.errors import ClikaError, GraphFileError, GraphInputError, GraphRunError, PlaceError
 from clika_runtime.graph import existing
 from clika_runtime.guards import Guard, InputRule
 from clika_runtime.specs import PlaceLike
@@ -31,7 +31,9 @@ def load(path: str | os.PathLike, place: PlaceLike = None, *, output_types: Iter
     numpy arrays out; torch tensors in give torch tensors out. Output trees are rebuilt with
     built-in containers, node types this process registered with torch's pytree (HuggingFace's
     ``ModelOutput`` when transformers is imported) and the classes in ``output_types``; a graph
-    file never makes the library import a module or call any other class.
+    file never makes the library import a module or call any other class. A file whose tensors
+    keep data outside its folder, or whose metadata does not describe its graph, is refused with
+    ``GraphFileError`` before anything runs (docs/SECURITY.md).
     """
     return ServedGraph(str(existing(path)), place, output_types=output_types)
 
@@ -44,18 +46,25 @@ class ServedGraph:
         self._keep = keep  # a temporary folder holding the model's external data, if any
         self._place = _resolve_place(place)
         where = model if isinstance(model, str) else "graph"
+        # Before onnxruntime opens it: what the file makes its reader read or run besides itself.
+        if isinstance(model, str):
+            graphfile.check(model)
+        else:
+            graphfile.check_serialized(model, where)
         self._session = _open(model, self._place, where)
-        found = metadata.read(serving.metadata(self._session), where)
-        self.input_names = [i.name for i in self._session.get_inputs()]
-        self.output_names = [o.name for o in self._session.get_outputs()]
+        declared = read_session(self._session, where)
+        self._declared = (declared.inputs, declared.outputs)
+        self._types = treedesc.allowed_types(output_types)
+        found = _described(declared, self._types, where)
+        self._where = where
+        self.input_names = [i.name for i in declared.inputs]
+        self.output_names = [o.name for o in declared.outputs]
         self._inputs = found.inputs if found else None
         self._outputs = found.outputs if found else None
         self._parameters = found.parameters if found else []
         self._guard = found.guard if found and found.guard else declared_guard(self._session)
-        self._types = treedesc.allowed_types(output_types)
         self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
         self._numpy_unfit = [o.name for o in self._session.get_outputs() if o.type == "tensor(bfloat16)"]
-        self._declared = ([_info(i) for i in self._session.get_inputs()], [_info(o) for o in self._session.get_outputs()])
         self._torch: Any = None
 
     @property
@@ -82,7 +91,10 @@ class ServedGraph:
         outs = self._checked_run(self._feeds(args, kwargs))
         if self._outputs is None:
             return dict(zip(self.output_names, outs))
-        return treedesc.rebuild(self._outputs, iter(outs), self._types)
+        try:
+            return treedesc.rebuild(self._outputs, iter(outs), self._types)
+        except (TypeError, ValueError) as e:  # outputs that break what the file declared (a "number" of 3 values)
+            raise GraphFileError(f"{self._where}: the outputs do not fit the output tree it describes: {e}") from e
 
     def run(self, feeds: Mapping[str, Any], /) -> dict[str, Any]:
         """Run on arrays given by graph input name; returns ``{output name: array}``.
@@ -107,7 +119,12 @@ class ServedGraph:
             raise GraphInputError(
                 f"output(s) {self._numpy_unfit} are bfloat16, which numpy cannot hold: call with torch tensors"
             )
-        return self._run_torch(feeds) if is_torch else self._numpy.run(feeds)
+        try:
+            return self._run_torch(feeds) if is_torch else self._numpy.run(feeds)
+        except ClikaError:
+            raise
+        except Exception as e:  # onnxruntime's own types (Fail, InvalidArgument, ...), none a ClikaError
+            raise GraphRunError(f"{self._where}: onnxruntime failed running the graph: {e}") from e
 
     def _feeds(self, args: tuple, kwargs: dict) -> list[Any]:
         if self._inputs is None:  # plain ONNX: by position, then by name
@@ -140,7 +157,8 @@ class ServedGraph:
             kind = leaf["kind"]
             if kind == "leaf":
                 feeds.append(value)
-            elif kind == "const" and not (value == leaf["value"] and type(value) is type(leaf["value"])):
+            # type first: an array compared with a constant is an array, whose truth is ambiguous
+            elif kind == "const" and not (type(value) is type(leaf["value"]) and value == leaf["value"]):
                 raise GraphInputError(
                     f"input {path}: the graph was captured with the static value {leaf['value']!r}, got {value!r}"
                 )
@@ -181,7 +199,40 @@ class ServedGraph:
         return self._torch.run(tensors)
 
 
-def _info(value: Any) -> TensorInfo:
+class Declared(NamedTuple):
+    """What an onnxruntime session says of its graph."""
+
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    metadata: dict[str, str]
+
+
+def read_session(session: Any, where: str) -> Declared:
+    """The session's declared inputs, outputs and metadata; ``GraphFileError`` when the file's
+    names or metadata are not UTF-8 (onnxruntime's Python binding raises ``UnicodeDecodeError``
+    on reading them, on every read: they are read once here)."""
+    try:
+        return Declared([tensor_info(i) for i in session.get_inputs()], [tensor_info(o) for o in session.get_outputs()],
+                        serving.metadata(session))
+    except UnicodeDecodeError as e:
+        raise GraphFileError(f"{where}: a name or metadata value in the graph is not UTF-8 text ({e.reason})") from None
+
+
+def _described(declared: Declared, types: Mapping[str, type], where: str) -> metadata.Metadata | None:
+    """The graph's clika_runtime metadata, checked against the graph it ships with and the output
+    classes allowed here; ``None`` for a graph from another tool."""
+    found = metadata.read(declared.metadata, where)
+    if found is not None:
+        metadata.check_fits(found, declared.inputs, declared.outputs, where)
+        try:
+            treedesc.check_types(found.outputs, types)
+        except ValueError as e:
+            raise GraphFileError(f"{where}: {e}") from None
+    return found
+
+
+def tensor_info(value: Any) -> TensorInfo:
+    """An onnxruntime session input or output (``NodeArg``) as a ``TensorInfo``."""
     return TensorInfo(value.name, serving.DTYPE_NAMES.get(value.type, value.type), tuple(value.shape))
 
 

@@ -5,11 +5,14 @@ A description names classes (``"module:Qualname"``) but never decides what runs:
 built-in containers, and classes the *caller* allows by name (node types this process registered
 with torch's pytree, and the ``output_types`` given to ``cr.load``). No module is imported and no
 other class is called; a class that is not allowed comes back as a plain tuple or dict, with one
-line on the ``clika_runtime`` logger.
+line on the ``clika_runtime`` logger. A node naming an allowed class is checked at load time
+against the class (``check_types``: a namedtuple's length, a structseq's field counts, the
+keywords a signature takes), so a description cannot make the call fail on that account.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections import OrderedDict, deque
@@ -19,8 +22,10 @@ logger = logging.getLogger("clika_runtime")
 
 MAX_DEPTH = 64
 MAX_NODES = 100_000
-_CONTAINERS = {"tuple", "list", "dict", "defaultdict", "ordereddict", "deque", "namedtuple", "structseq", "custom"}
+# optree's node kinds, as ``describe`` writes them (``PyTreeKind`` names, lower case).
+_CONTAINERS = {"tuple", "list", "dict", "defaultdict", "ordereddict", "deque", "namedtuple", "structsequence", "custom"}
 _LEAVES = {"leaf", "const", "static", "scalar", "none"}
+_CALLED = {"namedtuple", "structsequence", "custom"}  # kinds rebuilt by calling the class named
 _SCALAR_TYPES = {"int": int, "float": float, "bool": bool}
 
 
@@ -92,12 +97,54 @@ def validated(description: Any) -> dict[str, Any]:
 
 def _check_leaf(node: Mapping[str, Any], path: str) -> None:
     kind = node["kind"]
-    if kind == "scalar" and node.get("type") not in _SCALAR_TYPES:
+    if kind == "scalar" and not (isinstance(node.get("type"), str) and node["type"] in _SCALAR_TYPES):
         raise ValueError(f"tree description at {path}: unknown scalar type {str(node.get('type'))[:30]!r}")
-    if kind == "const" and not (node.get("value") is None or isinstance(node.get("value"), (bool, int, float, str))):
-        raise ValueError(f"tree description at {path}: a constant must be null, a bool, a number or a string")
+    if kind == "const" and ("value" not in node or not isinstance(node["value"], (type(None), bool, int, float, str))):
+        raise ValueError(f"tree description at {path}: a constant needs a value: null, a bool, a number or a string")
     if kind == "static" and not isinstance(node.get("repr"), str):
         raise ValueError(f"tree description at {path}: a static value needs its repr")
+
+
+def leaves(description: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """The leaf nodes of a validated description, in flattening order."""
+    if description["kind"] in _LEAVES:
+        yield description
+        return
+    for child in description["children"]:
+        yield from leaves(child)
+
+
+def check_types(description: Mapping[str, Any], types: Mapping[str, type], path: str = "root") -> None:
+    """``ValueError`` naming the first node of a validated description that names an allowed class
+    (``types``) which cannot be called with that node's children: a namedtuple of another length,
+    a structseq outside its field counts, a class whose signature takes other keywords."""
+    kind = description["kind"]
+    if kind in _LEAVES:
+        return
+    cls = types.get(description.get("type", "")) if kind in _CALLED else None
+    if cls is not None and not _takes(cls, kind, description["keys"]):
+        raise ValueError(f"tree description at {path}: {description['type'][:80]} cannot be rebuilt from a {kind} "
+                         f"with entries {description['keys'][:20]}")
+    for key, child in zip(description["keys"], description["children"]):
+        check_types(child, types, f"{path}[{key!r}]")
+
+
+def _takes(cls: type, kind: str, keys: list) -> bool:
+    """Whether ``_node`` can call ``cls`` for a node of ``kind`` with these keys."""
+    if kind == "namedtuple":
+        return issubclass(cls, tuple) and len(getattr(cls, "_fields", ())) == len(keys)
+    if kind == "structsequence":
+        low, high = getattr(cls, "n_sequence_fields", None), getattr(cls, "n_fields", None)
+        return issubclass(cls, tuple) and isinstance(low, int) and isinstance(high, int) and low <= len(keys) <= high
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a built-in without one: the call itself decides (served.py)
+        return True
+    try:
+        signature.bind(**dict.fromkeys(map(str, keys)))
+    except TypeError:
+        return False
+    return True
 
 
 def allowed_types(extra: Iterable[type] = ()) -> dict[str, type]:
@@ -150,9 +197,9 @@ def _node(description: Mapping[str, Any], kind: str, keys: list, children: list,
     cls = types.get(name)
     if cls is None:
         logger.info("output node %s is not a registered pytree node nor in output_types: rebuilt as a %s",
-                    name[:80], "tuple" if kind in ("namedtuple", "structseq") else "dict")
-        return tuple(children) if kind in ("namedtuple", "structseq") else dict(zip(map(str, keys), children))
-    if kind == "structseq":
+                    name[:80], "tuple" if kind in ("namedtuple", "structsequence") else "dict")
+        return tuple(children) if kind in ("namedtuple", "structsequence") else dict(zip(map(str, keys), children))
+    if kind == "structsequence":
         return cls(children)
     if kind == "namedtuple":
         return cls(*children)
@@ -179,7 +226,7 @@ def flatten_described(description: dict[str, Any], tree: Any, path: str = "") ->
         try:
             if isinstance(tree, dict):
                 value = tree[key]
-            elif kind in ("tuple", "list", "deque", "namedtuple", "structseq"):
+            elif kind in ("tuple", "list", "deque", "namedtuple", "structsequence"):
                 value = list(tree)[int(key)] if isinstance(key, int) else getattr(tree, key)
             else:
                 value = tree[key] if hasattr(tree, "__getitem__") and isinstance(key, str) else getattr(tree, str(key))

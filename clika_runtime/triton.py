@@ -15,13 +15,14 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from pathlib import Path, PureWindowsPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
 
 import onnx
 
 from clika_runtime import pbtxt
 from clika_runtime.errors import DeployError
+from clika_runtime.graphfile import escapes, outside
 from clika_runtime.graph import VERSION, too_big
 
 if TYPE_CHECKING:
@@ -321,7 +322,7 @@ def _reference_problems(model_proto: Any) -> list[str]:
     outside the model's folder, and otherwise too, since there is nothing to copy."""
     problems = []
     for tensor, location in _external_locations(model_proto):
-        if _escapes(location):
+        if escapes(location):
             problems.append(_escape_problem(tensor, location))
         else:
             problems.append(f"tensor '{tensor}': weights left in the external file {location!r}, not in the graph: "
@@ -332,31 +333,43 @@ def _reference_problems(model_proto: Any) -> list[str]:
 def _external_locations(model_proto: Any) -> list[tuple[str, str]]:
     return [
         (t.name, next((e.value for e in t.external_data if e.key == "location"), ""))
-        for t in _all_tensors(model_proto.graph) if t.data_location == _T.EXTERNAL
+        for t in _all_tensors(model_proto) if t.data_location == _T.EXTERNAL
     ]
 
 
-def _all_tensors(graph: Any) -> Iterator[Any]:
-    """Initializers and tensor attributes, in subgraphs too: every tensor that can hold weights."""
+def _all_tensors(model_proto: Any) -> Iterator[Any]:
+    """Every tensor that can hold weights: initializers (sparse ones too) and tensor attributes, in
+    the graph, its subgraphs and the model's functions (graphfile.py reads the same from a file)."""
+    yield from _graph_tensors(model_proto.graph)
+    for function in model_proto.functions:
+        yield from _attribute_tensors(function.attribute_proto)
+        for node in function.node:
+            yield from _attribute_tensors(node.attribute)
+
+
+def _graph_tensors(graph: Any) -> Iterator[Any]:
     yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
     for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                yield from _all_tensors(subgraph)
+        yield from _attribute_tensors(node.attribute)
+
+
+def _attribute_tensors(attributes: Any) -> Iterator[Any]:
+    for attribute in attributes:
+        if attribute.HasField("t"):
+            yield attribute.t
+        yield from attribute.tensors
+        one_sparse = [attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else []
+        for tensor in one_sparse + list(attribute.sparse_tensors):
+            yield from (tensor.values, tensor.indices)
+        for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+            yield from _graph_tensors(subgraph)
 
 
 def _escape_problem(tensor: str, location: str) -> str:
     return (f"tensor '{tensor}': external data location {location!r} is absolute or climbs out of the model's "
             f"folder ('..'): refused, it would read a file outside the repository")
-
-
-def _escapes(location: str) -> bool:
-    """Absolute (POSIX or Windows form) or with a '..' part: onnxruntime would read outside the folder."""
-    path = PureWindowsPath(location)  # splits on both '/' and '\\'
-    return bool(path.drive or path.root) or ".." in path.parts
 
 
 # ------------------------------------------------------------------------------------------ checking
@@ -461,6 +474,8 @@ def latest_model(model_folder: str | os.PathLike, filename: str = MODEL_FILE) ->
     if not versions:
         return None, None
     version = max(versions)
+    if escapes(filename):  # a hostile config's default_model_filename: never a path out of the folder
+        return version, None
     path = folder / str(version) / filename
     if path.is_dir():
         path = path / MODEL_FILE
@@ -469,6 +484,9 @@ def latest_model(model_folder: str | os.PathLike, filename: str = MODEL_FILE) ->
 
 def _config_problems(config: TritonConfig, folder_name: str) -> list[str]:
     problems = _name_problems(config.name or folder_name)
+    if escapes(config.model_filename):
+        problems.append(f"default_model_filename {config.model_filename[:100]!r} is absolute or climbs out of the "
+                        f"version folder ('..'): refused, it would read a file outside the repository")
     # core model_repository_manager.cc: "directory name must equal model name".
     if config.name and config.name != folder_name:
         problems.append(f"config name '{config.name}' differs from its folder's name '{folder_name}': "
@@ -486,16 +504,13 @@ def _config_problems(config: TritonConfig, folder_name: str) -> list[str]:
 
 
 def _stored_data_problems(model_proto: Any, folder: Path) -> list[str]:
+    """Weights the stored model reads from anything but a regular file in its folder."""
     problems = []
     for tensor, location in _external_locations(model_proto):
-        where = f"tensor '{tensor}': external data location {location!r}"
-        path = folder / location
-        if _escapes(location):
+        if escapes(location):
             problems.append(_escape_problem(tensor, location))
-        elif not path.is_file():
-            problems.append(f"{where}: no such file in {folder}")
-        elif not path.resolve().is_relative_to(folder.resolve()):
-            problems.append(f"{where} links out of the model's folder: it would read a file outside the repository")
+        elif (why := outside(folder, location)) is not None:  # missing, linked out, not a file, unresolvable
+            problems.append(f"tensor '{tensor}': external data location {location[:100]!r} {why}")
     return problems
 
 

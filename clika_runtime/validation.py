@@ -16,13 +16,17 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 import serving
-from clika_runtime import metadata
+from clika_runtime import graphfile, metadata
 from clika_runtime.errors import GraphFileError, GraphInputError, PlaceError
 from clika_runtime.guards import Guard
 from serving import DTYPE_NAMES as ONNX_TYPE_NAMES
 
 logger = logging.getLogger("clika_runtime")
 
+# Inputs are generated up to this many elements each: a graph that declares a static size of
+# 10**12 (or a capture example that large) gets a failed check, not an allocation that never ends.
+MAX_GENERATED_ELEMENTS = 2**26
+SAFE_TO_OPEN = "readable, reads only files in its folder"  # the first check: graphfile.check
 
 
 @dataclass
@@ -71,6 +75,7 @@ def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise GraphFileError(f"{path}: no such file")
+    graphfile.check(path)
     try:
         model = onnx.load_model(str(path), load_external_data=False)
     except Exception as e:
@@ -79,15 +84,20 @@ def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
     def describe(value: Any) -> dict[str, Any]:
         tensor = value.type.tensor_type
         dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in tensor.shape.dim]
-        return {"name": value.name, "dtype": onnx.TensorProto.DataType.Name(tensor.elem_type).lower(), "dims": dims}
+        known = tensor.elem_type in onnx.TensorProto.DataType.values()
+        dtype = onnx.TensorProto.DataType.Name(tensor.elem_type) if known else f"unknown type {tensor.elem_type}"
+        return {"name": value.name, "dtype": dtype.lower(), "dims": dims}
 
     from clika_runtime.describe import describe_graph
-    from clika_runtime.graph import check_external_data
 
-    check_external_data(model, path)
     nodes = list(model.graph.node)
     data = [path.parent / location for location in _external_files(model)]
-    description = describe_graph(model, str(path))
+    try:
+        description = describe_graph(model, str(path))
+    except GraphFileError:
+        raise
+    except (KeyError, ValueError) as e:  # a hostile element type has no numpy dtype
+        raise GraphFileError(f"{path}: the graph's inputs or outputs do not parse: {e}") from None
     return {
         "capture": {"key": description.key, "guard": description.guard},
         "path": str(path),
@@ -153,10 +163,22 @@ def validate_graph(
         path = _check_triton_folder(path, report)
         if path is None:
             return report
+    try:  # before anything opens the file: the checker and onnxruntime would read its external data
+        graphfile.check(path)
+        report.add(SAFE_TO_OPEN, True)
+    except GraphFileError as e:
+        report.add(SAFE_TO_OPEN, False, _first_line(e))
+        return report
     session = _checked_session(path, place, report)
     if session is None:
         return report
-    _run_sizes(session, str(path), dims or {}, np.random.default_rng(seed), report)
+    try:
+        guard = _guard(session, str(path))
+        report.add("clika_runtime metadata", True)
+    except GraphFileError as e:
+        report.add("clika_runtime metadata", False, _first_line(e))
+        return report
+    _run_sizes(session, guard, str(path), dims or {}, np.random.default_rng(seed), report)
     if reference is not None:
         report.add("matches reference outputs", *_compare_reference(session, reference, rtol, atol))
     return report
@@ -190,11 +212,11 @@ def _checked_session(path: Path, place: Any, report: Report) -> Any:
     return session
 
 
-def _run_sizes(session: Any, where: str, dims: Mapping[str, Sequence[int]], rng: np.random.Generator,
-               report: Report) -> None:
+def _run_sizes(session: Any, guard: Guard, where: str, dims: Mapping[str, Sequence[int]],
+               rng: np.random.Generator, report: Report) -> None:
     """Run the graph at sizes of each dynamic dim: ``dims`` where given (a size the guard refuses
-    fails), else sizes around the capture's example that the guard accepts."""
-    guard = _guard(session, where)
+    fails), else sizes around the capture's example that the guard accepts; a pass must have run
+    the graph at least once."""
     graph_dims = _dim_names(session)
     unknown = sorted(set(dims) - set(graph_dims))
     if unknown:
@@ -205,7 +227,8 @@ def _run_sizes(session: Any, where: str, dims: Mapping[str, Sequence[int]], rng:
     for assignment in _assignments(sizes):
         label = ", ".join(f"{k}={v}" for k, v in assignment.items()) or "static shapes"
         feeds = _feeds(session, guard, assignment, rng)
-        problem = guard.check([feeds[i.name] for i in session.get_inputs()])
+        generated = all(v is not None for v in feeds.values())  # else _run_once reports what was not
+        problem = guard.check([feeds[i.name] for i in session.get_inputs()]) if generated else None
         if problem is not None and not any(k in dims for k in assignment):
             refused.append(f"{label} ({problem})")  # a default size the graph's guard rules out: not run
         elif problem is not None:
@@ -214,6 +237,8 @@ def _run_sizes(session: Any, where: str, dims: Mapping[str, Sequence[int]], rng:
             report.add(f"runs at {label}", *_run_once(session, feeds, assignment))
     if refused:
         logger.info("validate %s: default sizes outside the graph's guard, not run: %s", where, "; ".join(refused))
+    if not any(c.name.startswith("runs at ") for c in report.checks):  # a pass must have run the graph
+        report.add("runs at some size", False, f"every size tried is outside the graph's guard: {'; '.join(refused)}")
 
 
 def _check_triton_folder(folder: Path, report: Report) -> Path | None:
@@ -234,11 +259,16 @@ def _check_triton_folder(folder: Path, report: Report) -> Path | None:
 
 
 def _guard(session: Any, where: str) -> Guard:
-    """The graph's shipped guard, or one read from its declared input shapes."""
-    from clika_runtime.served import declared_guard
+    """The graph's shipped guard (checked to describe the graph), or one read from its declared
+    input shapes; ``GraphFileError`` for metadata that is malformed or describes another graph."""
+    from clika_runtime.served import declared_guard, read_session
 
-    found = metadata.read(serving.metadata(session), where)
-    return found.guard if found is not None and found.guard is not None else declared_guard(session)
+    declared = read_session(session, where)  # names decoded once here: later reads of them succeed
+    found = metadata.read(declared.metadata, where)
+    if found is None:
+        return declared_guard(session)
+    metadata.check_fits(found, declared.inputs, declared.outputs, where)
+    return found.guard if found.guard is not None else declared_guard(session)
 
 
 def _default_sizes(guard: Guard, dim: str) -> list[int]:
@@ -288,10 +318,10 @@ def _feeds(session: Any, guard: Guard, assignment: Mapping[str, int], rng: np.ra
     for value in session.get_inputs():
         name = ONNX_TYPE_NAMES.get(value.type)
         dtype = np.dtype(name).type if name and name != "bfloat16" and not name.startswith("complex") else None
-        if dtype is None:
+        shape = [assignment.get(d, 1) if isinstance(d, str) or d is None else d for d in value.shape or ()]
+        if dtype is None or min(shape, default=0) < 0 or np.prod(shape, dtype=object) > MAX_GENERATED_ELEMENTS:
             feeds[value.name] = None
             continue
-        shape = [assignment.get(d, 1) if isinstance(d, str) or d is None else d for d in value.shape]
         if not shape and f"#{value.name}" in example:
             feeds[value.name] = np.asarray(example[f"#{value.name}"], dtype=dtype)
         elif np.issubdtype(dtype, np.floating):
@@ -306,15 +336,19 @@ def _feeds(session: Any, guard: Guard, assignment: Mapping[str, int], rng: np.ra
 def _run_once(session: Any, feeds: Mapping[str, Any], assignment: Mapping[str, int]) -> tuple[bool, str]:
     missing = [name for name, value in feeds.items() if value is None]
     if missing:
-        return False, f"input(s) {missing}: a type that cannot be generated"
+        return False, (f"input(s) {missing}: a type that cannot be generated, or more than "
+                       f"{MAX_GENERATED_ELEMENTS:,} elements")
     try:
         outs = session.run(None, dict(feeds))
     except Exception as e:
         return False, _first_line(e)
     problems = []
     for meta, out in zip(session.get_outputs(), outs):
-        for axis, d in enumerate(meta.shape):
-            if isinstance(d, int) and axis < np.ndim(out) and np.shape(out)[axis] != d:
+        if np.ndim(out) != len(meta.shape or ()):
+            problems.append(f"output '{meta.name}': rank {np.ndim(out)}, graph declares {len(meta.shape or ())}")
+            continue
+        for axis, d in enumerate(meta.shape or ()):
+            if isinstance(d, int) and np.shape(out)[axis] != d:
                 problems.append(f"output '{meta.name}' axis {axis}: {np.shape(out)[axis]}, graph declares {d}")
             if isinstance(d, str) and d in assignment and np.shape(out)[axis] != assignment[d]:
                 problems.append(f"output '{meta.name}' axis {axis} ({d}): {np.shape(out)[axis]}, expected {assignment[d]}")
@@ -337,7 +371,10 @@ def _compare_reference(session: Any, reference: str | os.PathLike, rtol: float, 
             raise GraphInputError(f"--reference {reference}: {problem}")
     if missing:
         return False, f"reference lacks input(s) {missing}; it holds {sorted(data.files)}"
-    outs = session.run(None, {n: data[n] for n in inputs})
+    try:
+        outs = session.run(None, {n: data[n] for n in inputs})
+    except Exception as e:  # onnxruntime's types, or numpy refusing a pickled array
+        return False, f"the graph does not run on the reference inputs: {_first_line(e)}"
     compared = []
     for meta, out in zip(session.get_outputs(), outs):
         if meta.name not in data:

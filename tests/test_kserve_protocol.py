@@ -81,6 +81,18 @@ def test_malformed_requests_are_refused_naming_the_input(bad):
     assert caught.value.status == bad.status
 
 
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize("shape", [[0, 2**62], [2**62, 0], [0, 2**70]])
+def test_a_tensor_of_no_elements_with_a_huge_size_is_refused(shape, binary):
+    # numpy cannot make such an array ("array is too big"): it was a ValueError, answered 500
+    model = protocol.Model.from_graph("m", [TensorInfo("x", "float32", ("n", "k"))], [TensorInfo("y", "float32", ("n", "k"))])
+    entry = {"name": "x", "shape": shape, "datatype": "FP32"}
+    entry.update({"parameters": {"binary_data_size": 0}} if binary else {"data": []})
+    header = json.dumps({"inputs": [entry]}).encode()
+    with pytest.raises(ProtocolError, match=rf"input 'x': shape \[{shape[0]}, {shape[1]}\] has a size over the server's limit of 1000"):
+        protocol.parse_infer(model, header, str(len(header)) if binary else None, max_elements=1000)
+
+
 def test_binary_bool_bytes_must_be_0_or_1():
     model = protocol.Model.from_graph("flags", [TensorInfo("m", "bool", ("n",))], [TensorInfo("m", "bool", ("n",))])
     header = json.dumps({"inputs": [{"name": "m", "shape": [2], "datatype": "BOOL",
@@ -178,6 +190,13 @@ def test_body_over_the_cap_is_refused_while_streaming():
         asyncio.run(routes.read_body({}, _chunks(100, 300, read), 1000))
     assert caught.value.status == 413 and len(read) == 4  # stopped at the first chunk past the cap
     assert asyncio.run(routes.read_body({"content-length": "600"}, _chunks(2, 300, []), 1000)) == b"x" * 600
+
+
+@pytest.mark.parametrize("length", ["\u00b2", "9" * 5000, "-1", "1e9", " 12"])
+def test_a_content_length_that_is_not_a_byte_count_is_refused(length):
+    with pytest.raises(ProtocolError, match=r"Content-Length: expected a byte count, got ") as caught:
+        asyncio.run(routes.read_body({"content-length": length}, _chunks(1, 10, []), 1000))
+    assert caught.value.status == 400
 
 
 def test_compressed_bodies_are_refused():

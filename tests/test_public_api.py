@@ -9,7 +9,7 @@ import clika_runtime as cr
 EXPECTED = {
     "compile", "load", "CompiledFunction", "ModelGraph", "TensorSpec", "DynamicAxes", "PlaceLike", "config",
     "ClikaError", "CaptureError", "VerificationError", "PlaceError", "StateError", "SignatureError",
-    "SignatureValueError", "GraphInputError", "GraphFileError", "DeployError",
+    "SignatureValueError", "GraphInputError", "GraphFileError", "GraphRunError", "DeployError",
 }
 
 

@@ -374,7 +374,10 @@ TAMPERED = {
     "external data climbing out": (
         _edit_location("../../secret.bin"),
         "external data location '../../secret.bin' is absolute or climbs out of the model's folder"),
-    "external data missing": (_edit_location("gone.bin"), "external data location 'gone.bin': no such file in"),
+    "external data missing": (_edit_location("gone.bin"), "external data location 'gone.bin' names no file in"),
+    "model file outside the folder": (
+        _edit_config('platform: "onnxruntime_onnx"', 'platform: "onnxruntime_onnx"\ndefault_model_filename: "../../x.onnx"'),
+        "default_model_filename '../../x.onnx' is absolute or climbs out of the version folder ('..')"),
 }
 
 
@@ -397,8 +400,7 @@ def test_check_repository_refuses_data_that_links_out_and_configs_outside_the_sc
     _edit_location("link.bin", target=str(tmp_path / "outside.bin"))(tiny_folder)
     problems = check_repository(tiny_folder)
     assert len(problems) == len(batched.model_proto.graph.initializer) == 2  # weight and bias
-    assert all(p.endswith("external data location 'link.bin' links out of the model's folder: it would read a file "
-                          "outside the repository") for p in problems), problems
+    assert all(p.endswith("external data location 'link.bin' links out of the model's folder") for p in problems), problems
     _edit_config("max_batch_size: 8", "max_batch_size: 8\nmax_batch: 3")(tiny_folder)
     (problem,) = check_repository(tiny_folder)
     assert "config.pbtxt: not a Triton model config" in problem and "max_batch" in problem

@@ -51,6 +51,7 @@ class Bad(NamedTuple):
 
 
 X_BYTES = np.zeros((2, 4), np.float32).tobytes()
+NESTED = json.loads("[" * 900 + "]" * 900)  # str() of it, deep in a server's stack, passes Python's recursion limit
 IDS_BYTES = np.arange(2, dtype=np.int64).tobytes()
 
 BAD_REQUESTS = [
@@ -99,4 +100,16 @@ BAD_REQUESTS = [
         r"Inference-Header-Content-Length: expected a byte count, got 'abc'"),
     Bad("header_length_past_body", binary_body(X_BYTES, IDS_BYTES)[0], "999999", 400,
         r"Inference-Header-Content-Length is 999999, but the body has \d+ bytes"),
+    # Hostile ones: each once escaped as an exception that is not a ProtocolError (a 500 with a log).
+    Bad("header_length_unicode_digit", binary_body(X_BYTES, IDS_BYTES)[0], "\u00b2", 400,
+        r"Inference-Header-Content-Length: expected a byte count, got '\u00b2'"),
+    Bad("header_length_5000_digits", binary_body(X_BYTES, IDS_BYTES)[0], "9" * 5000, 400,
+        r"Inference-Header-Content-Length: expected a byte count, got '9{80}\.\.\.'"),
+    Bad("json_nested_100000_deep", b"[" * 100_000, None, 400, r"request header: JSON nested too deep"),
+    Bad("input_name_a_list", json_body([{"name": ["x"]}, ids_entry()]), None, 400,
+        r"unknown input \['x'\]; the model's inputs are \['x', 'ids'\]"),
+    Bad("input_name_nested_900_deep", json_body([{"name": NESTED}, ids_entry()]), None, 400,
+        r"unknown input \[\[\[\[\.\.\.\]\]\]\]; the model's inputs"),
+    Bad("shape_of_100000_dims", json_body([x_entry(shape=[1] * 100_000), ids_entry()]), None, 400,
+        r"input 'x': expected rank 2 \[-1, 4\], got shape \[1, 1, 1, 1, 1, 1, 1, 1, \.\.\.\]$"),
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -36,6 +37,11 @@ V2_DATATYPES = {
 HEADER_LENGTH = "inference-header-content-length"
 MODEL_VERSION = "1"
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# A byte count in a header: ASCII digits only (str.isdigit takes '²', which int() refuses), and
+# few enough of them for any body a server takes.
+_BYTE_COUNT = re.compile(r"[0-9]{1,15}")
+_BRIEF = reprlib.Repr()  # client values in errors: a few levels and items, never a deep or long repr
+_BRIEF.maxlevel, _BRIEF.maxlist, _BRIEF.maxdict, _BRIEF.maxstring, _BRIEF.maxother = 3, 8, 4, 60, 60
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,19 @@ def _tensor(kind: str, info: TensorInfo) -> Tensor:
     return Tensor(info.name, V2_DATATYPES[info.dtype], np.dtype(info.dtype), tuple(info.shape))
 
 
+def byte_count(text: str, header: str) -> int:
+    """A header's byte count, or a ``ProtocolError`` (400) naming the header."""
+    if not _BYTE_COUNT.fullmatch(text):
+        raise ProtocolError(f"{header}: expected a byte count, got {short(text)!r}")
+    return int(text)
+
+
+def brief(value: Any) -> str:
+    """A client-given value (of any JSON type) echoed in an error: a bounded repr, safe for
+    values nested a thousand levels deep, where ``str`` would recurse past Python's limit."""
+    return _BRIEF.repr(value)
+
+
 def short(text: str, limit: int = 80) -> str:
     """Client-given text echoed in an error, cut so a hostile client cannot make errors huge."""
     return text if len(text) <= limit else text[:limit] + "..."
@@ -113,9 +132,7 @@ def parse_infer(model: Model, body: bytes, header_length: str | None, *, max_ele
 def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
     if header_length is None:
         return body, memoryview(b"")
-    if not header_length.isdigit():
-        raise ProtocolError(f"Inference-Header-Content-Length: expected a byte count, got {short(header_length)!r}")
-    size = int(header_length)
+    size = byte_count(header_length, "Inference-Header-Content-Length")
     if size > len(body):
         raise ProtocolError(f"Inference-Header-Content-Length is {size}, but the body has {len(body)} bytes")
     return body[:size], memoryview(body)[size:]
@@ -127,7 +144,9 @@ def _load_json(header: bytes) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise ProtocolError("request header: not UTF-8 JSON") from None
     except ValueError as e:
-        raise ProtocolError(f"request header: not valid JSON ({e})") from None
+        raise ProtocolError(f"request header: not valid JSON ({short(str(e))})") from None
+    except RecursionError:  # '[' * 100000: json's parser recurses per level
+        raise ProtocolError("request header: JSON nested too deep") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
         raise ProtocolError("request header: expected a JSON object with a list of 'inputs'")
     return doc
@@ -148,8 +167,8 @@ def _parse_inputs(model: Model, doc: Mapping[str, Any], binary: memoryview, max_
         if not isinstance(entry, dict):
             raise ProtocolError(f"inputs[{position}]: expected an object with name, shape, datatype and data")
         name = entry.get("name")
-        if name not in declared:
-            raise ProtocolError(f"unknown input {short(str(name))!r}; the model's inputs are {list(declared)}")
+        if not isinstance(name, str) or name not in declared:
+            raise ProtocolError(f"unknown input {brief(name)}; the model's inputs are {list(declared)}")
         if name in arrays:
             raise ProtocolError(f"input {name!r} is given twice")
         tensor = declared[name]
@@ -172,17 +191,19 @@ def _parse_inputs(model: Model, doc: Mapping[str, Any], binary: memoryview, max_
 def _checked_shape(tensor: Tensor, entry: Mapping[str, Any], max_elements: int) -> tuple[int, ...]:
     name, shape, datatype = tensor.name, entry.get("shape"), entry.get("datatype")
     if datatype != tensor.datatype:
-        raise ProtocolError(f"input {name!r}: expected datatype {tensor.datatype}, got {short(str(datatype))!r}")
+        raise ProtocolError(f"input {name!r}: expected datatype {tensor.datatype}, got {brief(datatype)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise ProtocolError(f"input {name!r}: 'shape' must be a list of sizes >= 0, got {short(str(shape))}")
+        raise ProtocolError(f"input {name!r}: 'shape' must be a list of sizes >= 0, got {brief(shape)}")
     if len(shape) != len(tensor.shape):
-        raise ProtocolError(f"input {name!r}: expected rank {len(tensor.shape)} {tensor.v2_shape}, got shape {shape}")
+        raise ProtocolError(f"input {name!r}: expected rank {len(tensor.shape)} {tensor.v2_shape}, got shape {brief(shape)}")
     for axis, (want, got) in enumerate(zip(tensor.shape, shape)):
         if isinstance(want, int) and want != got:
             raise ProtocolError(f"input {name!r} axis {axis}: expected size {want} {tensor.v2_shape}, got {got}")
     count = math.prod(shape)
     if count > max_elements:
         raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, over the server's limit of {max_elements}")
+    if max(shape, default=0) > max_elements:  # [0, 2**62] holds no element, but numpy cannot make it
+        raise ProtocolError(f"input {name!r}: shape {shape} has a size over the server's limit of {max_elements}")
     return tuple(shape)
 
 
@@ -192,7 +213,7 @@ def _binary_size(tensor: Tensor, entry: Mapping[str, Any]) -> int | None:
         raise ProtocolError(f"input {tensor.name!r}: 'parameters' must be an object")
     size = parameters.get("binary_data_size")
     if size is not None and not (type(size) is int and size >= 0):
-        raise ProtocolError(f"input {tensor.name!r}: binary_data_size must be a byte count, got {short(str(size))}")
+        raise ProtocolError(f"input {tensor.name!r}: binary_data_size must be a byte count, got {brief(size)}")
     return size
 
 
@@ -290,7 +311,7 @@ def _requested_outputs(model: Model, doc: Mapping[str, Any]) -> list[tuple[str, 
     for entry in entries:
         name = entry.get("name") if isinstance(entry, dict) else None
         if name not in known:
-            raise ProtocolError(f"unknown output {short(str(name))!r}; the model's outputs are {known}")
+            raise ProtocolError(f"unknown output {brief(name)}; the model's outputs are {known}")
         options = entry.get("parameters") or {}
         if not isinstance(options, dict):
             raise ProtocolError(f"output {name!r}: 'parameters' must be an object")
@@ -303,7 +324,7 @@ def _requested_outputs(model: Model, doc: Mapping[str, Any]) -> list[tuple[str, 
 def _flag(parameters: Mapping[str, Any], key: str, where: str, default: bool = False) -> bool:
     value = parameters.get(key, default)
     if not isinstance(value, bool):
-        raise ProtocolError(f"{where}: {key} must be true or false, got {short(str(value))}")
+        raise ProtocolError(f"{where}: {key} must be true or false, got {brief(value)}")
     return value
 
 

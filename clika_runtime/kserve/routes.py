@@ -8,7 +8,7 @@ import json
 from typing import AsyncIterator, Mapping
 
 from clika_runtime.errors import ProtocolError
-from clika_runtime.kserve.protocol import MODEL_VERSION, short
+from clika_runtime.kserve.protocol import MODEL_VERSION, byte_count, short
 
 
 def route(method: str, path: str, model_name: str) -> str:
@@ -51,7 +51,7 @@ async def read_body(headers: Mapping[str, str], chunks: AsyncIterator[bytes], li
     if encoding != "identity":
         raise ProtocolError(f"Content-Encoding {short(encoding)!r} is not supported: send the body uncompressed")
     declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and byte_count(declared, "Content-Length") > limit:
         raise ProtocolError(f"request body of {int(declared)} bytes is over the server's limit of {limit} bytes", 413)
     parts, size = [], 0
     async for chunk in chunks:
