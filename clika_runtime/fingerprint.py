@@ -24,6 +24,7 @@ import torch
 
 from clika_runtime.graph import VERSION
 from clika_runtime.planning import CapturePlan
+from clika_runtime.sharing import TARGETS
 from clika_runtime.target import Target
 from clika_runtime.weights import closure_tensors
 
@@ -34,13 +35,15 @@ _LIBRARIES = ("torch", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "transfor
 
 
 def function_key(target: Target) -> str:
-    """The digest of everything a function's graphs depend on but its calls."""
+    """The digest of everything a function's graphs depend on but its calls. Reads the module as
+    an eager call does (holding ``TARGETS`` shared): an export elsewhere swaps its parameters."""
     digest = hashlib.sha256()
-    for part in (_versions(), _options(target), _code(target.fn)):
-        digest.update(part.encode())
-    for name, tensor in _tensors(target):
-        digest.update(name.encode())
-        digest.update(tensor_digest(tensor).encode())
+    with TARGETS.shared():
+        for part in (_versions(), _options(target), _code(target.fn)):
+            digest.update(part.encode())
+        for name, tensor in _tensors(target):
+            digest.update(name.encode())
+            digest.update(tensor_digest(tensor).encode())
     return digest.hexdigest()
 
 

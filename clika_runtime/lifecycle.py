@@ -123,7 +123,8 @@ class Lifecycle:
         """The table without captures whose baked tensors changed (the next capture says which)."""
         if not table.captures or table.watch.fresh():
             return table
-        changed = [b for b in table.watch.baked if b.changed()]
+        with TARGETS.shared():  # looking in the module: not while an export elsewhere swaps its parameters
+            changed = [b for b in table.watch.baked if b.changed()]
         if not changed:  # a registration elsewhere: nothing baked moved
             self.table = rewatched(table)
             return self.table

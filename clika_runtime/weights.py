@@ -131,11 +131,14 @@ def _fresh_check(
     counter = _REGISTRATIONS
 
     def fresh() -> bool:
-        return (
-            counter[0] == registrations
-            and sum(map(_version, versioned)) == versions
-            and tuple(map(_data_ptr, tensors)) == pointers
-        )
+        try:
+            return (
+                counter[0] == registrations
+                and sum(map(_version, versioned)) == versions
+                and tuple(map(_data_ptr, tensors)) == pointers
+            )
+        except RuntimeError:  # a tensor that cannot say (swapped out by a trace): the miss path looks
+            return False
 
     if not rebound:
         return fresh
