@@ -120,7 +120,7 @@ class CompiledFunction(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         table = self._lifecycle.table
-        if table.state is _COMPILED and table.watch.fresh():
+        if table.state is _COMPILED and table.fresh():  # a graph may serve, and its weights are current
             if kwargs:
                 args_, kwargs_ = self._forms(args, kwargs)
             else:

@@ -79,7 +79,8 @@ def _run(parts: Parts, stats: "Stats") -> Callable[[Sequence[Any]], Any]:
             def run_one(feeds: Sequence[Any]) -> Any:
                 stats.hits += 1  # Stats.touch, written out: a method call costs as much again
                 stats.last_use = _monotonic()
-                return graph_run(feeds)[0]
+                (out,) = graph_run(feeds)
+                return out
 
             return run_one
         rebuild = trees.rebuilder(parts.out_spec, parts.eager_leaves)
@@ -121,7 +122,9 @@ def _flat(
         return None
     fed = set(positions)
     fixed = tuple((i, kind, value) for i, (kind, value) in zip((i for i in range(count) if i not in fed), key.statics))
-    picks, training, check, tensor = tuple(positions), key.training, guard.check, torch.Tensor
+    picks, training, fits, tensor = tuple(positions), key.training, guard.fits, torch.Tensor
+    if count == 1 and not fixed:
+        return _one_tensor(owner, training, fits, run)
 
     def hit(args: tuple) -> Any:
         if len(args) != count:
@@ -137,10 +140,31 @@ def _flat(
                 return MISS
         if owner is not None and owner.training is not training:
             return MISS
-        if check(feeds) is not None:
+        if not fits(feeds):
             return MISS
         try:
             return run(feeds)
+        except Exception:  # the general path decides again and handles the failure (re-capture)
+            return MISS
+
+    return hit
+
+
+def _one_tensor(owner: torch.nn.Module | None, training: bool | None, fits: Callable[[Sequence[Any]], bool],
+                run: Callable[[Sequence[Any]], Any]) -> Callable[[tuple], Any]:
+    """``f(x)``, the most common call: the flat hit without its loops."""
+    tensor = torch.Tensor
+
+    def hit(args: tuple) -> Any:
+        if len(args) != 1:
+            return MISS
+        a = args[0]
+        if type(a) is not tensor or a.requires_grad or (owner is not None and owner.training is not training):
+            return MISS
+        if not fits(args):
+            return MISS
+        try:
+            return run(args)
         except Exception:  # the general path decides again and handles the failure (re-capture)
             return MISS
 
@@ -160,7 +184,7 @@ def general(table: "CacheTable", args: tuple, kwargs: dict, with_shapes: bool, o
     if variants is None or (grad and _grad_enabled()):
         return MISS
     for capture in variants:  # almost always one; more when the trace branched on sizes
-        if capture.guard.check(feeds) is None:
+        if capture.guard.fits(feeds):
             try:
                 out = capture.run(feeds)
             except Exception as error:

@@ -59,6 +59,7 @@ class CacheTable:
 
     ``entries`` maps a key to its captures (one, or a few variants), in least-recently-captured
     order; ``flat`` is the flat hit of the newest capture; ``watch`` checks the baked weights;
+    ``fresh`` is the watch's per-call check (one attribute away from a call);
     ``pending`` is the reason the next capture will give (a graph dropped, weights changed).
     """
 
@@ -66,6 +67,7 @@ class CacheTable:
     entries: Mapping[CallKey, tuple["Capture", ...]] = field(default_factory=lambda: MappingProxyType({}))
     flat: Callable[[tuple], Any] | None = None
     watch: Watch = field(default_factory=lambda: Watch(()))
+    fresh: Callable[[], bool] = field(default=lambda: True)
     knowledge: Knowledge = field(default_factory=Knowledge)
     recaptures: int = 0
     reasons: tuple[str, ...] = ()
@@ -145,4 +147,4 @@ def noted(table: CacheTable, note: str) -> CacheTable:
 def _rebuilt(table: CacheTable, entries: dict, **changes: Any) -> CacheTable:
     captures = [c for variants in entries.values() for c in variants]
     watch = Watch([b for c in captures for b in c.baked])
-    return replace(table, entries=MappingProxyType(entries), watch=watch, **changes)
+    return replace(table, entries=MappingProxyType(entries), watch=watch, fresh=watch.fresh, **changes)
