@@ -91,20 +91,23 @@ def describe_graph(model_proto: Any, where: str) -> CaptureInfo:
     inputs = tuple(info for info in _values(model_proto.graph.input) if info.name not in initializers)
     if found is None:
         return CaptureInfo(key="", inputs=inputs, outputs=outputs_of(model_proto))
-    statics = [f"{path}={leaf['value']!r}" for path, leaf in _static_leaves(found.inputs) if leaf["kind"] == "const"]
+    args, kwargs = found.inputs["children"]
+    leaves = [(found.parameters[i] if i < len(found.parameters) else f"args_{i}", child)
+              for i, child in enumerate(args["children"])] + list(zip(map(str, kwargs["keys"]), kwargs["children"]))
+    statics = [f"{path}={leaf['value']!r}" for name, child in leaves for path, leaf in _static_leaves(child, name)
+               if leaf["kind"] == "const"]
     tensors = [f"{i.name}: {i.dtype}" for i in inputs]
     return CaptureInfo(key=", ".join(tensors + statics), inputs=inputs, outputs=outputs_of(model_proto),
                        guard=guard_text(found.guard) if found.guard is not None else "")
 
 
-def _static_leaves(description: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """(path, leaf) of every static leaf of the captured call's description."""
+def _static_leaves(description: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(path, leaf) of every static leaf under one argument of the captured call."""
     if description["kind"] in ("const", "static"):
         return [(path, description)]
     found = []
     for key, child in zip(description.get("keys", ()), description.get("children", ())):
-        top = path == "" and description["kind"] == "tuple"  # the (args, kwargs) pair itself
-        found += _static_leaves(child, "" if top else f"{path}.{key}".lstrip("."))
+        found += _static_leaves(child, f"{path}.{key}")
     return found
 
 

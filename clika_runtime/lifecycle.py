@@ -170,7 +170,7 @@ class Lifecycle:
             return None  # reset() or a failure elsewhere since this capture began: it serves nothing
         knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
                             unliftable=attempt.unliftable)
-        superseded = [c for c in plan.replaces if capture.guard.check(c.example) is None]
+        superseded = [c for c in plan.replaces if _covers(capture, c)]
         for note in attempt.notes:
             logger.info("capture of %s: %s", self.target.name, note)
         if plan.reason is not None:
@@ -222,6 +222,12 @@ class Lifecycle:
             self._warned.add(why)
             logger.info("%s: %s; serving such calls eagerly", name, why)
             warnings.warn(f"clika_runtime: {name}: {why}; serving this call eagerly", stacklevel=_user_level())
+
+
+def _covers(new: Capture, old: Capture) -> bool:
+    """Whether ``new`` serves what ``old`` served: its guard accepts the call ``old`` was made
+    from, but for sizes 0/1 it verifies against eager once (worth it: ``old`` holds a session)."""
+    return all(m.kind == "special" for m in new.guard.mismatches(old.example))
 
 
 def _disagreement(capture: Capture, feeds: Any, out: Any) -> str | None:

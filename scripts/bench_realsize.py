@@ -83,7 +83,7 @@ def speeds(name: str, model: torch.nn.Module, f: Any, rounds: int) -> list[str]:
                 with torch.no_grad():
                     return f(**feeds)
 
-            samples = measure({"eager": eager, "served": served}, rounds, 0.05)
+            samples = measure({"eager": eager, "served": served}, rounds, 0.05, warmup=1)
             ratio = paired_ratio(samples["served"], samples["eager"])
             lines.append(f"{name} batch {batch} seq {seq}: eager {min(samples['eager']) / 1e3:.1f} ms, served "
                          f"{min(samples['served']) / 1e3:.1f} ms, served/eager {ratio:.2f} (target <= {SPEED}) "

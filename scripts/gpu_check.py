@@ -57,7 +57,7 @@ def check_workload(w: Any, inductor: bool) -> tuple[list[str], dict[str, float]]
             torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
         if f.state is not cr.CompiledFunction.State.Compiled:
             failures.append(f"{w.name}: {f.recapture_reasons}")
-        providers = f._current._runner._session.get_providers()
+        providers = f._lifecycle.table.current().parts.runner.session.get_providers()
         if providers[0] != "CUDAExecutionProvider":
             failures.append(f"{w.name}: session runs on {providers}")
         # Stream ordering: inputs written on a side stream, the call made under that stream.

@@ -29,10 +29,11 @@ def per_call_us(fn: Callable[[], Any], block_s: float) -> Callable[[], float]:
     return block
 
 
-def measure(variants: dict[str, Callable[[], Any]], rounds: int, block_s: float) -> dict[str, list[float]]:
-    """Per variant, one us-per-call figure per round."""
+def measure(variants: dict[str, Callable[[], Any]], rounds: int, block_s: float, warmup: int = 20
+            ) -> dict[str, list[float]]:
+    """Per variant, one us-per-call figure per round (calls of a second or more: ``warmup=1``)."""
     for fn in variants.values():  # warm up every variant before any timing
-        for _ in range(20):
+        for _ in range(warmup):
             fn()
     blocks = {name: per_call_us(fn, block_s) for name, fn in variants.items()}
     samples: dict[str, list[float]] = {name: [] for name in variants}

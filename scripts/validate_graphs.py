@@ -1,5 +1,7 @@
 """CI graph validation on a small zoo: capture each workload at two sizes, check the graph matches
-eager (clika_runtime.testing), save it, and validate the file as `clika-runtime validate` does.
+eager (clika_runtime.testing), save it, validate the file as `clika-runtime validate` does, and
+write it as a Triton model (batching along dim 0 where the graph allows it) checked against
+Triton's schema and rules (`clika_runtime.triton.check_repository`).
 
 Exit code 0 only when every graph passed. Run by the test suite (tests/test_zoo.py).
 """
@@ -15,7 +17,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import build  # noqa: E402
 
+from clika_runtime.errors import DeployError  # noqa: E402
 from clika_runtime.testing import assert_graph_matches_eager  # noqa: E402
+from clika_runtime.triton import check_repository  # noqa: E402
 from clika_runtime.validation import validate_graph  # noqa: E402
 
 
@@ -31,10 +35,19 @@ def main() -> int:
                 print(f"{workload.name}: graph does not match eager: {e}")
                 failed.append(workload.name)
                 continue
-            path = f.take_graph().save(Path(folder) / f"{workload.name}.onnx")
+            graph = f.take_graph()
+            path = graph.save(Path(folder) / f"{workload.name}.onnx")
             report = validate_graph(path)
-            print(report.table().replace(str(path), workload.name), end="\n\n")
-            if not report.passed:
+            print(report.table().replace(str(path), workload.name))
+            try:
+                model = graph.to_triton(Path(folder) / "triton", workload.name, max_batch_size=8)
+            except DeployError as refused:  # no dynamic batch axis: Triton takes it without batching
+                print(f"triton: no batching ({refused})")
+                model = graph.to_triton(Path(folder) / "triton", workload.name)
+            problems = check_repository(model)
+            print(f"triton model {model.name}: " + ("config.pbtxt agrees with the graph" if not problems
+                                                   else "; ".join(problems)), end="\n\n")
+            if not report.passed or problems:
                 failed.append(workload.name)
     print("zoo:", "all graphs valid" if not failed else f"failed: {failed}")
     return 1 if failed else 0
