@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Iterator, Literal, Mapping
 
 from clika_runtime import graphfile, metadata
 from clika_runtime.errors import GraphFileError
@@ -93,9 +93,10 @@ class ModelGraph:
         if external_data is None:
             external_data = too_big(self._proto)
         if external_data:
-            copy = ModelGraph.copy_of(self._proto).model_proto  # save_model moves weights out of the proto it is given
-            onnx.save_model(copy, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=f"{path.name}.data", size_threshold=0)
+            copy = ModelGraph.copy_of(self._proto).model_proto  # saving moves weights out of the proto it is given
+            (path.parent / f"{path.name}.data").unlink(missing_ok=True)  # onnx appends to an existing data file
+            _mark_weights_external(copy, f"{path.name}.data")
+            onnx.save_model(copy, str(path))
         else:
             onnx.save_model(self._proto, str(path))
         return path
@@ -224,3 +225,33 @@ def existing(path: str | os.PathLike) -> Path:
     if not path.is_file():
         raise GraphFileError(f"{path}: no such file")
     return path
+
+
+def _mark_weights_external(proto: Any, location: str) -> None:
+    """Mark every floating-point tensor of ``proto`` for ``location``, whatever its size.
+
+    Integer tensors stay inline: onnxruntime needs shape-like constants (a Reshape's shape, a
+    ReduceMean's axes) in the model file to infer shapes, and they are never the bulk of a model.
+    """
+    from onnx import TensorProto
+    from onnx.external_data_helper import set_external_data
+
+    inline = {TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8, TensorProto.UINT8,
+              TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64, TensorProto.BOOL, TensorProto.STRING}
+    for tensor in _tensors(proto.graph):
+        if tensor.data_type not in inline and tensor.HasField("raw_data"):
+            set_external_data(tensor, location)
+
+
+def _tensors(graph: Any) -> Iterator[Any]:
+    """The initializers and constant tensors of ``graph`` and of the graphs nested in its nodes."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _tensors(attribute.g)
+            for sub in attribute.graphs:
+                yield from _tensors(sub)

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable
 
-from clika_runtime import degrade, hints, kvcache, restore, trees
+from clika_runtime import degrade, hints, kvcache, memory, restore, trees
 from clika_runtime.capture import Capture
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError
@@ -50,6 +50,7 @@ class Lifecycle:
         """A fresh table of a new generation: captures still in progress will not be installed."""
         with self.lock:
             self.table = fresh(self.table.generation + 1)
+        memory.give_back()
 
     # ---------------------------------------------------------------------------------- the miss
 
@@ -157,9 +158,13 @@ class Lifecycle:
         except CaptureError as error:
             return self._give_up(f"capture failed: {error}", generation, lambda: out)
         with self.lock:
+            before = len(self.table.captures)
             taught = self._install(attempt, generation)
+            dropped = before + 1 > len(self.table.captures)
         if taught is not None:  # outside the lock: disk I/O
             restore.remember(self.target, taught)
+        if dropped:  # a superseded or evicted capture's session is gone: its memory too
+            memory.give_back()
         return out
 
     def _install(self, attempt: degrade.Attempt, generation: int) -> Knowledge | None:

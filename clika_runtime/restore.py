@@ -16,9 +16,9 @@ from types import MappingProxyType
 from typing import Any
 
 from clika_runtime import capture as capture_mod
-from clika_runtime import diskcache, fingerprint, guards, trees
+from clika_runtime import diskcache, fingerprint, graphfile, guards, trees
 from clika_runtime.describe import TensorInfo
-from clika_runtime.errors import CaptureError
+from clika_runtime.errors import ClikaError
 from clika_runtime.graph import GraphFolder
 from clika_runtime.planning import CapturePlan, declared_axes
 from clika_runtime.table import Knowledge
@@ -56,7 +56,7 @@ def restore(slot: Slot, target: Target, plan: CapturePlan, out: Any) -> tuple[ca
         made, used = _made(entry, target, plan, out, slot)
         capture = capture_mod.assemble(made, target.place_for(used.call.feeds), target.optimize, target.owner,
                                        keep_optimized=True)
-    except (CaptureError, KeyError, TypeError, ValueError) as e:  # stale or foreign: export afresh
+    except (ClikaError, KeyError, TypeError, ValueError, OSError) as e:  # stale or foreign: export afresh
         logger.debug("disk cache: entry %s not used: %s", slot.key, e)
         return None
     logger.info("capture of %s: graph found in the disk cache", target.name)
@@ -105,6 +105,8 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
     folder = GraphFolder(slot.cache.work)
     for path in entry.files:
         diskcache.link_or_copy(path, folder.path / path.name)
+    for path in folder.path.glob("*.onnx"):  # the same rules as any graph file: data in its folder, no code
+        graphfile.check(path)
     made = capture_mod.Made(
         plan=used, eager_out=out, folder=folder, guard=guard, graph_leaves=graph_leaves,
         constants={i: leaf for i, leaf in enumerate(leaves) if i not in graph_leaves},

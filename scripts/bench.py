@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import statistics
 import subprocess
@@ -183,7 +184,8 @@ def first_call(w: Workload, rounds: int = 3) -> dict[str, tuple[float, float]]:
     for _ in range(rounds):
         for step, name in (("by_hand", "hand"), ("by_clika", "clika")):
             code = _COLD.format(scripts=scripts, name=w.name, step=step)
-            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": ""}  # a capture, not a disk-cache hit
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
             times[f"cold {name}"].append(float(done.stdout.strip().splitlines()[-1]))
             start = time.perf_counter()
             with warnings.catch_warnings():
@@ -241,6 +243,7 @@ def main() -> int:
     parser.add_argument("--first-call", default="mlp_b1", help="workload for the first-call comparison ('' to skip)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    cr.config.cache_dir = None  # every capture here exports: the cold-start section measures the cache
     print(f"machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores; python {platform.python_version()}, "
           f"torch {torch.__version__}, onnxruntime {ort.__version__}, clika_runtime {cr.__version__}; 1 thread")
     verdicts: list[str] = []

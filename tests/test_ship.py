@@ -134,6 +134,9 @@ def test_external_data_on_request_and_model_graph_load(shipped, tmp_path):
     model, graph, _, _ = shipped
     path = graph.save(tmp_path / "ext.onnx", external_data=True)
     assert (tmp_path / "ext.onnx.data").is_file()
+    size = (tmp_path / "ext.onnx.data").stat().st_size
+    graph.save(tmp_path / "ext.onnx", external_data=True)  # saved again over itself: replaced, not appended
+    assert (tmp_path / "ext.onnx.data").stat().st_size == size
     assert graph.model_proto.graph.initializer[0].data_location == onnx.TensorProto.DEFAULT  # proto untouched
     loaded = cr.ModelGraph.load(path)
     assert loaded.input_names == graph.input_names and loaded.output_names == graph.output_names
