@@ -52,22 +52,38 @@ def _bert() -> torch.nn.Module:
                                 vocab_size=1000, max_position_embeddings=128))
 
 
+def _bert_base() -> torch.nn.Module:
+    from transformers import BertConfig, BertModel
+
+    return BertModel(BertConfig())  # BERT-base's sizes: 110M parameters
+
+
+def _ids(vocab: int) -> Callable[[int], tuple[Any, ...]]:
+    return lambda s: (torch.randint(0, vocab, (1, s)),)
+
+
+# name -> (model maker, inputs at a size, benchmarked size, sizes the graph must serve)
+_MAKERS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], tuple[Any, ...]], int, tuple[int, ...]]] = {
+    "mlp_b1": (lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)),
+               lambda b: (torch.randn(b, 64),), 1, (1, 4)),
+    "cnn_b1": (CNN, lambda b: (torch.randn(b, 3, 32, 32),), 1, (1, 3)),
+    "cnn_b16": (CNN, lambda b: (torch.randn(b, 3, 32, 32),), 16, (16, 5)),
+    "transformer_layer_s128": (lambda: torch.nn.TransformerEncoderLayer(256, 4, batch_first=True),
+                               lambda s: (torch.randn(1, s, 256),), 128, (128, 17)),
+    "gpt2_tiny_s32": (_gpt2, _ids(1000), 32, (32, 9)),
+    "bert_tiny_s32": (_bert, _ids(1000), 32, (32, 9)),
+}
+# Real-size workloads: built only when named (seconds and hundreds of MiB each).
+_LARGE = {"bert_base_s128": (_bert_base, _ids(30522), 128, (128, 64))}
+
+
 def build(names: tuple[str, ...] | None = None) -> list[Workload]:
-    """The workloads of docs/BENCHMARKS.md, in eval mode, seeded."""
-    torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    cnn = CNN()
-    layer = torch.nn.TransformerEncoderLayer(256, 4, batch_first=True)
-    gpt2 = _gpt2()
-    bert = _bert()
-    all_workloads = [
-        Workload("mlp_b1", mlp, lambda b: (torch.randn(b, 64),), 1, (1, 4)),
-        Workload("cnn_b1", cnn, lambda b: (torch.randn(b, 3, 32, 32),), 1, (1, 3)),
-        Workload("cnn_b16", cnn, lambda b: (torch.randn(b, 3, 32, 32),), 16, (16, 5)),
-        Workload("transformer_layer_s128", layer, lambda s: (torch.randn(1, s, 256),), 128, (128, 17)),
-        Workload("gpt2_tiny_s32", gpt2, lambda s: (torch.randint(0, 1000, (1, s)),), 32, (32, 9)),
-        Workload("bert_tiny_s32", bert, lambda s: (torch.randint(0, 1000, (1, s)),), 32, (32, 9)),
-    ]
-    for w in all_workloads:
-        w.model.eval()
-    return [w for w in all_workloads if names is None or w.name in names]
+    """The workloads of docs/BENCHMARKS.md (all small ones when ``names`` is None), in eval mode,
+    each seeded the same way whichever others are built."""
+    chosen = tuple(_MAKERS) if names is None else names
+    workloads = []
+    for name in chosen:
+        make, inputs, size, sizes = {**_MAKERS, **_LARGE}[name]
+        torch.manual_seed(0)
+        workloads.append(Workload(name, make().eval(), inputs, size, sizes))
+    return workloads
