@@ -102,7 +102,15 @@ class DiskCache:
             return None
 
     def save(self, key: str, files: list[Path], meta: dict[str, Any]) -> None:
-        """Store the graph files under ``key`` with their description, atomically."""
+        """Store the graph files under ``key`` with their description, atomically. An entry larger
+        than the whole cache is not stored, and the first such says so (a big model's warm starts
+        need a larger ``cache_max_bytes``)."""
+        size = sum(path.stat().st_size for path in files)
+        if size > self.max_bytes:
+            _say_once(("too big", self.root), f"clika_runtime: a capture of {meta.get('graph_name', '?')} needs {size / 2**30:.1f} GiB, more "
+                      f"than the capture cache's bound (cr.config.cache_max_bytes = {self.max_bytes / 2**30:.1f} "
+                      "GiB): not kept for later processes; raise cache_max_bytes for warm starts")
+            return
         staging = Path(tempfile.mkdtemp(prefix="entry-", dir=self.work))
         try:
             for path in files:
@@ -176,6 +184,7 @@ class DiskCache:
 
 _caches: dict[tuple[Path, int], DiskCache] = {}
 _refused: set[Path] = set()
+_said: set[tuple[str, Path]] = set()  # (what, cache root): each kind of warning once per cache
 
 
 def active() -> DiskCache | None:
@@ -195,10 +204,15 @@ def active() -> DiskCache | None:
 
 def refuse(root: Path, error: BaseException) -> None:
     """Turn the cache at ``root`` off for this process, saying why once."""
-    if root not in _refused:
-        _refused.add(root)
-        warnings.warn(f"clika_runtime: the capture cache at {root} cannot be used ({error}); continuing without it",
-                      stacklevel=3)
+    _refused.add(root)
+    _say_once(("refused", root),
+              f"clika_runtime: the capture cache at {root} cannot be used ({error}); continuing without it")
+
+
+def _say_once(topic: tuple[str, Path], message: str) -> None:
+    if topic not in _said:
+        _said.add(topic)
+        warnings.warn(message, stacklevel=4)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -7,7 +7,9 @@ torch; onnx is imported where a method needs it.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
@@ -191,8 +193,9 @@ class GraphFolder:
     MODEL = "model.onnx"
 
     def __init__(self, parent: str | os.PathLike | None = None) -> None:
-        self._folder = tempfile.TemporaryDirectory(prefix="clika_runtime_", dir=parent)
-        self.path = Path(self._folder.name)
+        self.path = Path(tempfile.mkdtemp(prefix="clika_runtime_", dir=parent))
+        # Removed with its last reference (a TemporaryDirectory would also do it, with a ResourceWarning).
+        self._remove = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
 
     @property
     def model(self) -> Path:

@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,18 @@ def test_an_unwritable_cache_warns_once_and_serves(tmp_path):
     with pytest.warns(UserWarning, match="cannot be used"):
         f = _capture(_model(), torch.randn(2, 4))
     assert f.state is cr.CompiledFunction.State.Compiled
+
+
+def test_a_capture_larger_than_the_whole_cache_is_not_kept_and_says_so_once():
+    cr.config.cache_max_bytes = 100  # smaller than any graph
+    model, x = _model(), torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=r"more than the capture cache's bound \(cr.config.cache_max_bytes"):
+        f = _capture(model, x)
+    torch.testing.assert_close(f(x), model(x))
+    assert not list((Path(cr.config.cache_path()) / "entries").iterdir())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second one is not said again
+        assert _exported(_capture(torch.nn.Linear(4, 5).eval(), x))
 
 
 def test_the_cache_is_its_owners_alone_and_ignores_symlinked_entries(tmp_path):
