@@ -16,7 +16,7 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable
 
-from clika_runtime import degrade, hints, kvcache, memory, restore, trees
+from clika_runtime import degrade, hints, kvcache, memory, pystate, restore, trees
 from clika_runtime.capture import Capture
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError
@@ -103,7 +103,7 @@ class Lifecycle:
             return Eager(), None, table.generation
         kvcache.register()  # KV-cache classes flatten through their adapter (before torch's registry is mirrored)
         trees.sync_registry()  # node types registered since the last miss flatten from now on
-        table = self._weights_checked(table)
+        table = self._stale_checked(table)
         target = self.target
         try:
             call = Call(target.forms, args, kwargs, target.owner, table.knowledge, target.options)
@@ -120,20 +120,37 @@ class Lifecycle:
             self._inflight.add(token)
         return decision, call, table.generation
 
-    def _weights_checked(self, table: CacheTable) -> CacheTable:
-        """The table without captures whose baked tensors changed (the next capture says which)."""
-        if not table.captures or table.watch.fresh():
+    def _stale_checked(self, table: CacheTable) -> CacheTable:
+        """The table without captures whose baked tensors or Python state changed (the next
+        capture says which)."""
+        if not table.captures or table.fresh():
             return table
         with TARGETS.shared():  # looking in the module: not while an export elsewhere swaps its parameters
-            changed = [b for b in table.watch.baked if b.changed()]
+            registered = not table.watch.fresh()  # a registration (a submodule assigned?) or weights moved
+            if registered:
+                table = self._weights_checked(table)
+            if table.captures and (registered or not table.snapshot.fresh()):
+                table = self._state_checked(table)
+        self.table = table
+        return table
+
+    def _weights_checked(self, table: CacheTable) -> CacheTable:
+        changed = [b for b in table.watch.baked if b.changed()]
         if not changed:  # a registration elsewhere: nothing baked moved
-            self.table = rewatched(table)
-            return self.table
+            return rewatched(table)
         moved = {id(b.tensor) for b in changed}
         stale = [c for c in table.captures if any(id(b.tensor) in moved for b in c.baked)]
-        names = ", ".join(f"'{b.name}'" for b in changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
-        self.table = without(table, stale, pending=f"weights changed: {names}")
-        return self.table
+        return without(table, stale, pending=f"weights changed: {_listed(changed, lambda b: repr(b.name))}")
+
+    def _state_checked(self, table: CacheTable) -> CacheTable:
+        changed = table.snapshot.changed()
+        if not changed:  # what moved is nothing a capture read (a private attribute, a train()/eval())
+            return rewatched(table, self._snapshot())
+        return without(table, table.captures, pending=f"state changed: {_listed(changed, str)}")
+
+    def _snapshot(self) -> pystate.Snapshot:
+        """The Python state the target reads now (the caller holds ``TARGETS`` shared)."""
+        return pystate.Snapshot.of(self.target.fn, self.target.owner)
 
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
@@ -157,9 +174,11 @@ class Lifecycle:
             attempt = degrade.build(self.target, plan, out)
         except CaptureError as error:
             return self._give_up(f"capture failed: {error}", generation, lambda: out)
+        with TARGETS.shared():
+            snapshot = self._snapshot()  # the state the export read (taken after it, before the lock)
         with self.lock:
             before = len(self.table.captures)
-            taught = self._install(attempt, generation)
+            taught = self._install(attempt, generation, snapshot)
             dropped = before + 1 > len(self.table.captures)
         if taught is not None:  # outside the lock: disk I/O
             restore.remember(self.target, taught)
@@ -167,12 +186,17 @@ class Lifecycle:
             memory.give_back()
         return out
 
-    def _install(self, attempt: degrade.Attempt, generation: int) -> Knowledge | None:
+    def _install(self, attempt: degrade.Attempt, generation: int, snapshot: pystate.Snapshot) -> Knowledge | None:
         """Swap in the table with the new capture (the caller holds the lock); return what the
         function learned when the capture taught it something new."""
         table, plan, capture = self.table, attempt.plan, attempt.capture
         if table.generation != generation or table.state is State.Fallback:
             return None  # reset() or a failure elsewhere since this capture began: it serves nothing
+        if table.captures and not table.snapshot.fresh():
+            with TARGETS.shared():
+                moved = table.snapshot.changed()
+            if moved:  # the state moved since the other captures were made (this call's eager run moved it)
+                table = without(table, table.captures, pending=None)
         knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
                             unliftable=attempt.unliftable)
         superseded = [c for c in plan.replaces if _covers(capture, c)]
@@ -181,7 +205,7 @@ class Lifecycle:
         if plan.reason is not None:
             logger.info("re-capture of %s: %s", self.target.name, plan.reason)
         self.table = with_capture(table, capture, reason=plan.reason, replaces=superseded, knowledge=knowledge,
-                                  notes=attempt.notes, limit=config.cache_size)
+                                  notes=attempt.notes, limit=config.cache_size, snapshot=snapshot)
         return knowledge if knowledge.learned != table.knowledge.learned else None
 
     def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int) -> Any:
@@ -243,6 +267,11 @@ def _disagreement(capture: Capture, feeds: Any, out: Any) -> str | None:
         return first_mismatch(trees.output_names(out, eager), eager, served)
     except Exception as error:  # onnxruntime refuses the graph at these sizes
         return hints.first_line(error)
+
+
+def _listed(items: list[Any], word: Callable[[Any], str]) -> str:
+    """The first four of ``items`` in words, and how many more."""
+    return ", ".join(word(i) for i in items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
 
 
 def _mutation(names: list[str]) -> str:

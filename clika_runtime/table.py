@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from clika_runtime.key import CallKey, Described
+from clika_runtime.pystate import Snapshot
 from clika_runtime.weights import Watch
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ class CacheTable:
 
     ``entries`` maps a key to its captures (one, or a few variants), in least-recently-captured
     order; ``flat`` is the flat hit of the newest capture; ``watch`` checks the baked weights;
-    ``fresh`` is the watch's per-call check (one attribute away from a call);
+    ``snapshot`` the Python state the captures read (attributes, hooks, globals);
+    ``fresh`` is the per-call check of both (one attribute away from a call);
     ``pending`` is the reason the next capture will give (a graph dropped, weights changed).
     """
 
@@ -67,6 +69,7 @@ class CacheTable:
     entries: Mapping[CallKey, tuple["Capture", ...]] = field(default_factory=lambda: MappingProxyType({}))
     flat: Callable[[tuple], Any] | None = None
     watch: Watch = field(default_factory=lambda: Watch(()))
+    snapshot: Snapshot = field(default_factory=lambda: Snapshot([]))
     fresh: Callable[[], bool] = field(default=lambda: True)
     knowledge: Knowledge = field(default_factory=Knowledge)
     recaptures: int = 0
@@ -96,11 +99,11 @@ def fresh(generation: int) -> CacheTable:
 
 def with_capture(
     table: CacheTable, capture: "Capture", *, reason: str | None, replaces: Sequence["Capture"] = (),
-    knowledge: Knowledge, notes: Sequence[str] = (), limit: int,
+    knowledge: Knowledge, notes: Sequence[str] = (), limit: int, snapshot: Snapshot,
 ) -> CacheTable:
     """``table`` with ``capture`` installed beside the variants of its key (without ``replaces``),
     least recently used keys evicted past ``limit``; ``reason`` (None: the first capture) counts
-    as one re-capture."""
+    as one re-capture; ``snapshot``: the state the capture read (the others must have read the same)."""
     entries = dict(table.entries)
     kept = tuple(c for c in entries.pop(capture.key, ()) if c not in replaces)
     entries[capture.key] = (kept + (capture,))[-VARIANTS:]
@@ -111,6 +114,7 @@ def with_capture(
         table, entries, flat=capture.flat, state=State.Compiled, knowledge=knowledge, pending=None,
         last=capture.described, last_names=capture.names, notes=table.notes + tuple(notes),
         recaptures=table.recaptures + (reason is not None), reasons=table.reasons + ((reason,) if reason else ()),
+        snapshot=snapshot,
     )
 
 
@@ -121,7 +125,7 @@ def with_replaced(table: CacheTable, old: "Capture", new: "Capture") -> CacheTab
     return _rebuilt(table, entries, flat=flat)
 
 
-def without(table: CacheTable, dropped: Sequence["Capture"], pending: str) -> CacheTable:
+def without(table: CacheTable, dropped: Sequence["Capture"], pending: str | None) -> CacheTable:
     """``table`` without some captures (a graph that failed, stale weights); the next capture says why."""
     entries = {k: tuple(c for c in v if c not in dropped) for k, v in table.entries.items()}
     entries = {k: v for k, v in entries.items() if v}
@@ -129,9 +133,10 @@ def without(table: CacheTable, dropped: Sequence["Capture"], pending: str) -> Ca
     return _rebuilt(table, entries, flat=flat, pending=pending)
 
 
-def rewatched(table: CacheTable) -> CacheTable:
-    """``table`` with a new weights watch (after a registration that changed nothing baked)."""
-    return _rebuilt(table, dict(table.entries))
+def rewatched(table: CacheTable, snapshot: Snapshot | None = None) -> CacheTable:
+    """``table`` with a new weights watch (after a registration that changed nothing baked), and
+    ``snapshot`` when given (after a change of state no capture read)."""
+    return _rebuilt(table, dict(table.entries), snapshot=snapshot or table.snapshot)
 
 
 def fallen_back(table: CacheTable, why: str) -> CacheTable:
@@ -147,4 +152,11 @@ def noted(table: CacheTable, note: str) -> CacheTable:
 def _rebuilt(table: CacheTable, entries: dict, **changes: Any) -> CacheTable:
     captures = [c for variants in entries.values() for c in variants]
     watch = Watch([b for c in captures for b in c.baked])
-    return replace(table, entries=MappingProxyType(entries), watch=watch, fresh=watch.fresh, **changes)
+    snapshot = changes.pop("snapshot", table.snapshot)
+    snapshot = snapshot if captures else Snapshot([])  # nothing captured: nothing to watch
+    return replace(table, entries=MappingProxyType(entries), watch=watch, snapshot=snapshot,
+                   fresh=_both(watch.fresh, snapshot.fresh) if snapshot.parts else watch.fresh, **changes)
+
+
+def _both(weights: Callable[[], bool], state: Callable[[], bool]) -> Callable[[], bool]:
+    return lambda: weights() and state()

@@ -1,0 +1,311 @@
+"""The Python state a graph baked besides tensors, and the per-call check that it is unchanged.
+
+A trace reads more than tensors: a module's plain attributes (``self.scale``, ``self.config.
+output_hidden_states``), which submodules it holds, its forward hooks and a patched ``forward``;
+a function's closure cells, the globals its code names, its defaults. The graph keeps what they
+were at capture, so after ``model.config.output_hidden_states = True``, ``model.act = nn.Tanh()``
+or ``SCALE = 5.0`` the graph would answer for the old state. A ``Snapshot`` records that state
+when a capture is made; ``fresh()`` compares it on every served call; ``changed()`` names what
+moved, for the re-capture's reason.
+
+The per-call check is one C-level getter per watched dictionary whose result is compared with
+the snapshot (identity first, so an unchanged object is never compared by value), dictionaries'
+lengths (an added attribute), and torch's count of hook handles ever made (a hook added anywhere).
+Submodules are compared when torch's registration counter moves (``weights.py`` watches it) and
+hooks when the handle count does: then ``changed()`` compares everything. Containers are
+snapshotted by a shallow copy (up to ``_COPIED`` items; past that, by identity).
+
+Watched: every module of the owner (its public attributes, ``_modules``, forward hooks), objects
+those attributes hold that carry attributes of their own (configs; two levels), torch's global
+forward hooks; for a function, its closure cells, the globals its code names, its defaults and
+code, and the module trees among them. Not watched: globals of the functions it calls, objects
+deeper than two levels, private attributes other than those above, grad mode (graphs serve
+inference; see README).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import types
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator
+
+import torch
+
+_COPIED = 64  # containers up to this many items are compared by value, larger ones by identity
+_DEPTH = 2  # levels of attribute-carrying objects watched below a module
+# The private entries of a module's __dict__ that change what a call computes (a hook's flags,
+# "with kwargs" and "always called", are only ever set beside its entry in these).
+_MODULE_PRIVATE = ("_modules", "_forward_hooks", "_forward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+_call = getattr(operator, "call", None) or (lambda f, x: f(x))  # operator.call: Python 3.11+
+_contents = operator.attrgetter("cell_contents")
+_CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+         functools.partial, torch.nn.Module, torch.Tensor)
+_CONTAINERS = (dict, list, tuple, set, frozenset, str, bytes)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One watched container: what it is called, how its watched values are read, their snapshot."""
+
+    name: str  # "encoder.layer.0", "config", "the closure of f"
+    container: Any
+    keys: tuple[str, ...]  # the watched entries, in the order ``read`` returns them
+    read: Callable[[Any], Any] | None  # container -> the watched values (one key: its value)
+    values: tuple
+    size: int | None  # len(container) at capture (None: not compared)
+    known: frozenset[str] = frozenset()  # every key the container had at capture (dictionaries)
+    variables: bool = False  # entries are a function's variables ("global 'SCALE'"), not attributes
+    per_call: bool = True  # False: compared only when a counter says it may have moved (submodules, hooks)
+    trigger: bool = False  # only says that the others must be compared (a count of hooks): never a change
+
+
+class Snapshot:
+    """The state of a target at capture. Immutable; ``fresh()`` is the hot path's check."""
+
+    def __init__(self, parts: list[Part], root: torch.nn.Module | None = None) -> None:
+        self.parts = tuple(parts)
+        self.root = root
+        # Captures are keyed by the root's training flag: ``model.train()`` / ``.eval()`` switching
+        # every module at once is not a change of state, one submodule switched alone is.
+        self.uniform = root is not None and _uniform(root)
+        self.fresh: Callable[[], bool] = _fresh_check(self.parts) if self.parts else _always
+
+    @classmethod
+    def of(cls, fn: Any, owner: torch.nn.Module | None) -> "Snapshot":
+        """The state ``fn`` (whose weights ``owner`` holds, if a module) reads now."""
+        seen: set[int] = set()
+        parts: list[Part] = []
+        if owner is not None:
+            parts += _module_tree(owner, "", seen)
+        else:
+            for layer in _unwrapped(fn):
+                parts += _callable(layer, seen)
+        parts += _global_hooks()
+        return cls(parts, owner)
+
+    def changed(self) -> list[str]:
+        """What differs from the snapshot, in words (empty: nothing a call reads)."""
+        switched = self.uniform and _uniform(self.root)  # a whole-model train()/eval(): the key has it
+        found = []
+        for part in self.parts:
+            found += [word for word in _differences(part) if not (switched and _is_training(word))]
+        return found
+
+
+def _always() -> bool:
+    return True
+
+
+def _is_training(word: str) -> bool:
+    return word == "'training'" or word.endswith(".training'")
+
+
+def _uniform(root: torch.nn.Module) -> bool:
+    return len({m.training for m in root.modules()}) == 1
+
+
+def _fresh_check(parts: tuple[Part, ...]) -> Callable[[], bool]:
+    """One closure over plain data: the lengths, then the watched values, each list compared whole."""
+    sized = tuple(p.container for p in parts if p.size is not None)
+    sizes = [p.size for p in parts if p.size is not None]
+    checked = [p for p in parts if p.read is not None and p.per_call]
+    readers = tuple(p.read for p in checked)
+    read_from = tuple(p.container for p in checked)
+    values = [p.values[0] if len(p.keys) == 1 else p.values for p in checked]  # a getter of one key: its value
+
+    def fresh() -> bool:
+        try:
+            return list(map(len, sized)) == sizes and list(map(_call, readers, read_from)) == values
+        except Exception:  # a value whose == cannot answer (an array): the miss path compares carefully
+            return False
+
+    return fresh
+
+
+# ------------------------------------------------------------------------------------- building
+
+
+def _module_tree(root: torch.nn.Module, prefix: str, seen: set[int]) -> list[Part]:
+    parts = []
+    for name, module in root.named_modules(prefix=prefix):
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        state = vars(module)
+        keys = [k for k in state if not k.startswith("_")]
+        where = name or "the module"
+        parts.append(_dict_part(where, state, keys, sized=True))
+        parts.append(replace(_dict_part(where, state, [k for k in _MODULE_PRIVATE if k in state], sized=False),
+                             per_call=False))
+        parts += [_sized(where, state[k]) for k in _MODULE_PRIVATE[1:] if state.get(k)]  # a hook removed
+        for key in keys:
+            if _carries_attributes(state[key]):
+                parts += _objects(state[key], f"{where}.{key}" if name else key, seen, _DEPTH)
+    return parts
+
+
+def _objects(value: Any, name: str, seen: set[int], depth: int) -> list[Part]:
+    """An attribute-carrying object (a config) and those it holds, ``depth`` levels down."""
+    if depth == 0 or id(value) in seen:
+        return []
+    seen.add(id(value))
+    state = vars(value)
+    keys = [k for k in state if not k.startswith("_")]
+    if len(keys) > 4 * _COPIED:  # not a config: a big object held by reference, watched by identity
+        return []
+    parts = [_dict_part(name, state, keys, sized=True)]
+    for key in keys:
+        if _carries_attributes(state[key]):
+            parts += _objects(state[key], f"{name}.{key}", seen, depth - 1)
+    return parts
+
+
+def _unwrapped(fn: Any) -> Iterator[Any]:
+    """``fn`` and the callables it wraps (``functools.wraps``, a wrapper object's ``__wrapped__``)."""
+    met: set[int] = set()
+    while fn is not None and id(fn) not in met:
+        met.add(id(fn))
+        yield fn
+        fn = getattr(fn, "__wrapped__", None)
+
+
+def _callable(fn: Any, seen: set[int]) -> list[Part]:
+    """What one layer of a target that is not a module reads: a function's variables, a bound
+    method's object, a callable object's attributes (a wrapper's are its own bookkeeping)."""
+    inner = getattr(fn, "__func__", fn)
+    parts = _function(inner, seen) if isinstance(inner, types.FunctionType) else []
+    if inner is not fn:
+        held, name = getattr(fn, "__self__", None), "the bound object"
+    else:
+        held, name = (None if hasattr(fn, "__wrapped__") else fn), "the callable object"
+    if held is not None and not isinstance(held, _CODE + _CONTAINERS) and isinstance(getattr(held, "__dict__", None), dict):
+        parts += _objects(held, name, seen, _DEPTH)
+    return parts
+
+
+def _function(fn: types.FunctionType, seen: set[int]) -> list[Part]:
+    parts = [Part(f"{fn.__qualname__}'s", fn, ("__defaults__", "__kwdefaults__", "__code__"),
+                  operator.attrgetter("__defaults__", "__kwdefaults__", "__code__"),
+                  (fn.__defaults__, _frozen(fn.__kwdefaults__), fn.__code__), None, variables=True)]
+    cells = tuple(c for c in fn.__closure__ or () if _filled(c))
+    names = dict(zip((id(c) for c in fn.__closure__ or ()), fn.__code__.co_freevars))
+    if cells:  # one cell is read alone: a getter of one key gives the value itself
+        parts.append(Part("closed-over", cells[0] if len(cells) == 1 else cells, tuple(names[id(c)] for c in cells),
+                          _contents if len(cells) == 1 else _cells, tuple(_frozen(c.cell_contents) for c in cells),
+                          None, variables=True))
+    namespace = fn.__globals__
+    read = sorted(k for k in _names(fn.__code__) if k in namespace and not isinstance(namespace[k], types.ModuleType))
+    if read:
+        parts.append(replace(_dict_part("global", namespace, read, sized=False), variables=True))
+    held = [(names[id(c)], c.cell_contents) for c in cells] + [(k, namespace[k]) for k in read]
+    for name, value in held:
+        if isinstance(value, torch.nn.Module):
+            parts += _module_tree(value, name, seen)
+        elif _carries_attributes(value):
+            parts += _objects(value, name, seen, _DEPTH)
+    return parts
+
+
+def _global_hooks() -> list[Part]:
+    """Hooks added anywhere (torch counts their handles), and torch's global forward hooks."""
+    from torch.nn.modules import module
+    from torch.utils.hooks import RemovableHandle
+
+    made = Part("hooks", RemovableHandle, ("next_id",), operator.attrgetter("next_id"),
+                (RemovableHandle.next_id,), None, trigger=True)
+    namespace = vars(module)
+    hooks = [name for name in _GLOBAL_HOOKS if isinstance(namespace.get(name), dict)]
+    global_hooks = replace(_dict_part("torch's", namespace, hooks, sized=False), variables=True, per_call=False)
+    return [made, global_hooks] + [_sized("torch's", namespace[name]) for name in hooks if namespace[name]]
+
+
+def _sized(name: str, hooks: dict) -> Part:
+    """The length of a dictionary of hooks that has some: removing one makes no new handle."""
+    return Part(name, hooks, (), None, (), len(hooks), trigger=True)
+
+
+def _dict_part(name: str, state: dict, keys: list[str], *, sized: bool) -> Part:
+    values = tuple(_frozen(state[k]) for k in keys)
+    if not keys:
+        return Part(name, state, (), None, (), len(state) if sized else None, frozenset(state))
+    return Part(name, state, tuple(keys), operator.itemgetter(*keys), values, len(state) if sized else None,
+                frozenset(state))
+
+
+def _cells(cells: tuple) -> tuple:
+    return tuple(map(_contents, cells))
+
+
+def _names(code: types.CodeType) -> Iterator[str]:
+    """The global names a code object (and the functions it defines) may read."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name assigned after the function was made)
+        return False
+    return True
+
+
+def _carries_attributes(value: Any) -> bool:
+    """A plain object with attributes of its own (a config, a namespace), not code or a module."""
+    return value is not None and not isinstance(value, _CODE + _CONTAINERS) and not callable(value) \
+        and isinstance(getattr(value, "__dict__", None), dict)
+
+
+def _frozen(value: Any) -> Any:
+    """What to keep of ``value``: a shallow copy of a small container (it may change in place)."""
+    if type(value) in (dict, list, set) or isinstance(value, dict):
+        if len(value) <= _COPIED:
+            return dict(value) if isinstance(value, dict) else type(value)(value)
+    return value
+
+
+# ------------------------------------------------------------------------------------- comparing
+
+
+def _differences(part: Part) -> list[str]:
+    """The watched entries of ``part`` that differ, as "name.key" words."""
+    if part.trigger:
+        return []
+    try:
+        now = part.read(part.container) if part.read is not None else ()
+        now = (now,) if len(part.keys) == 1 else now  # a getter of one key gives the value itself
+    except Exception:  # an entry deleted, a cell emptied
+        return [f"{part.name}: {', '.join(part.keys) or 'its entries'}"]
+    found = [_word(part, key) for key, old, new in zip(part.keys, part.values, now) if not _same(old, new)]
+    if part.size is not None and len(part.container) != part.size:
+        found += [_word(part, key) for key in part.container if key not in part.known and not key.startswith("_")]
+    return found
+
+
+def _word(part: Part, key: str) -> str:
+    if part.variables:
+        return f"{part.name} '{key.strip('_')}'"
+    if key in _MODULE_PRIVATE:
+        what = "submodules" if key == "_modules" else "forward hooks"
+        return f"{what} of {part.name}" if part.name == "the module" else f"{what} of '{part.name}'"
+    return f"'{key}'" if part.name == "the module" else f"'{part.name}.{key}'"
+
+
+def _same(old: Any, new: Any) -> bool:
+    if old is new:
+        return True
+    if isinstance(old, (dict, list, set, tuple, str, bytes, int, float, complex, bool)) and type(old) is type(new):
+        try:
+            return bool(old == new)
+        except Exception:  # containers holding arrays or tensors: not comparable by value
+            return False
+    return isinstance(new, dict) and isinstance(old, dict) and _dicts_same(old, new)
+
+
+def _dicts_same(old: dict, new: dict) -> bool:
+    return old.keys() == new.keys() and all(_same(old[k], new[k]) for k in old)

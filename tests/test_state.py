@@ -1,0 +1,225 @@
+"""Nothing stale, Python side: a module's attributes, its submodules and hooks, a config's flags,
+a function's closure and globals are what the graph baked; when one changes, the next call
+re-captures (and says which), and when none does, no call pays for a capture."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import clika_runtime as cr
+from clika_runtime import pystate
+from conftest import Counted
+
+
+class Knobs(torch.nn.Module):
+    """A forward that reads plain attributes, a dict of flags, a config object and a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.act = torch.nn.ReLU()
+        self.temperature = 1.0
+        self.flags = {"negate": False}
+        self.config = types.SimpleNamespace(scale=1.0, inner=types.SimpleNamespace(shift=0.0))
+        self._calls = 0  # private bookkeeping: not watched, never a re-capture
+
+    def forward(self, x):
+        self._calls += 1
+        y = self.act(self.fc(x)) / self.temperature * self.config.scale + self.config.inner.shift
+        return -y if self.flags["negate"] else y
+
+
+class Doubles(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if self.training else x
+
+
+class WithChild(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Doubles()
+
+    def forward(self, x):
+        return self.child(x) + 1
+
+
+def _knobs() -> tuple[Knobs, cr.CompiledFunction, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Knobs().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        f(x)
+        f(x)  # served
+    return model, f, x
+
+
+def _set_config_flag(m: Knobs) -> None:
+    m.config.scale = 3.0
+
+
+def _set_nested_config(m: Knobs) -> None:
+    m.config.inner.shift = 5.0
+
+
+def _swap_submodule(m: Knobs) -> None:
+    m.act = torch.nn.Tanh()
+
+
+@pytest.mark.parametrize(
+    "change, changed",
+    [
+        (lambda m: setattr(m, "temperature", 2.0), "'temperature'"),
+        (lambda m: m.flags.update(negate=True), "'flags'"),
+        (_set_config_flag, "'config.scale'"),
+        (_set_nested_config, "'config.inner.shift'"),
+        (_swap_submodule, "submodules of the module"),
+    ],
+    ids=["attribute", "dict-in-place", "config", "nested-config", "parameterless-submodule"],
+)
+def test_trap_changed_python_state_is_not_served_stale(change, changed):
+    model, f, x = _knobs()
+    change(model)
+    with torch.no_grad():
+        served, eager = f(x), model(x)
+        torch.testing.assert_close(served, eager)
+        assert f.recapture_count == 1 and changed in f.recapture_reasons[0]
+        torch.testing.assert_close(f(x), eager)  # the new capture serves
+    assert f.recapture_count == 1
+
+
+def test_trap_forward_hooks_added_and_removed_are_followed():
+    model, f, x = _knobs()
+    with torch.no_grad():
+        handle = model.fc.register_forward_hook(lambda module, args, out: out * 10)
+        torch.testing.assert_close(f(x), model(x))
+        assert "forward hooks of 'fc'" in f.recapture_reasons[-1]
+        handle.remove()
+        torch.testing.assert_close(f(x), model(x))
+    assert f.recapture_count == 2
+
+
+def test_trap_global_forward_hooks_are_followed():
+    model, f, x = _knobs()
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: out + 1 if isinstance(out, torch.Tensor) else out)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(f(x), model(x))
+    finally:
+        handle.remove()
+    assert f.recapture_count == 1 and "torch's" in f.recapture_reasons[0]
+
+
+def test_private_bookkeeping_and_whole_model_mode_switches_do_not_recapture():
+    model, f, x = _knobs()
+    model.train()
+    model.eval()  # the key holds the root's mode: back where it was
+    model._calls = 100
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model(x))
+    assert f.recapture_count == 0
+
+
+def test_trap_one_submodule_switched_to_training_alone_is_a_change():
+    model = WithChild().eval()
+    f = cr.compile(model)
+    x = torch.ones(3)
+    with torch.no_grad():
+        f(x)
+        model.child.train()  # the root still says eval: the key alone cannot see it
+        torch.testing.assert_close(f(x), model(x))
+    assert "'child.training'" in f.recapture_reasons[0]
+
+
+SCALE = 2.0
+
+
+def test_trap_function_globals_and_closures_are_followed():
+    global SCALE
+    settings = {"shift": 1.0}
+    target = Counted(lambda x: x * SCALE + settings["shift"])
+    f = cr.compile(target)
+    x = torch.ones(3)
+    f(x)
+    f(x)
+    settings["shift"] = 5.0
+    torch.testing.assert_close(f(x), x * 2 + 5)
+    assert "closed-over 'settings'" in f.recapture_reasons[-1]
+    SCALE = 3.0
+    try:
+        torch.testing.assert_close(f(x), x * 3 + 5)
+        assert "global 'SCALE'" in f.recapture_reasons[-1]
+    finally:
+        SCALE = 2.0
+    f(x)  # SCALE back to 2.0: re-captured once more, then served
+    calls = target.calls
+    torch.testing.assert_close(f(x), x * 2 + 5)
+    assert target.calls == calls
+
+
+def test_trap_bound_method_object_state_is_followed():
+    class Scaler:
+        def __init__(self) -> None:
+            self.factor = 2.0
+
+        def apply(self, x):
+            return x * self.factor
+
+    scaler = Scaler()
+    f = cr.compile(scaler.apply)
+    x = torch.ones(3)
+    f(x)
+    scaler.factor = 4.0
+    torch.testing.assert_close(f(x), x * 4)
+    assert "factor" in f.recapture_reasons[0]
+
+
+def _targets() -> list:
+    weight = torch.nn.Parameter(torch.ones(3))
+    table = {"a": 1.0}
+    model = Knobs()
+    return [
+        (lambda x: x * weight, None),  # one closed-over cell
+        (lambda x: x * weight * table["a"], None),  # two cells
+        (lambda x: x * SCALE, None),  # a global
+        (model, model),
+        (model.forward, model),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5), ids=["one-cell", "two-cells", "global", "module", "method"])
+def test_a_snapshot_taken_now_is_fresh_and_names_no_change(index):
+    fn, owner = _targets()[index]
+    snapshot = pystate.Snapshot.of(fn, owner)
+    assert snapshot.parts and snapshot.fresh() and snapshot.changed() == []
+
+
+def test_a_hot_loop_over_unchanged_state_never_recaptures():
+    model, f, x = _knobs()
+    calls = model._calls
+    with torch.no_grad():
+        for _ in range(20):
+            f(x)
+    assert f.recapture_count == 0 and model._calls == calls
+
+
+def test_trap_hf_config_flag_set_after_capture_is_followed():
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, max_position_embeddings=64)).eval()
+    f = cr.compile(model)
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        f(ids, attention_mask=torch.ones_like(ids))
+        model.config.output_hidden_states = True  # what a user does to read the layers' states
+        served = f(ids, attention_mask=torch.ones_like(ids))
+        eager = model(ids, attention_mask=torch.ones_like(ids))
+    assert served.hidden_states is not None and len(served.hidden_states) == len(eager.hidden_states) == 3
+    for got, expected in zip(served.hidden_states, eager.hidden_states):
+        torch.testing.assert_close(got, expected)
+    assert f.recapture_reasons == ["state changed: 'config.output_hidden_states'"]
