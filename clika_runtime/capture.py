@@ -37,6 +37,10 @@ _SCALARS = {int: "int", float: "float", bool: "bool"}
 _monotonic = time.monotonic
 
 
+class Refused(CaptureError):
+    """A capture no retry can make: the target does what a graph cannot (writes its buffers)."""
+
+
 class Example(NamedTuple):
     """What the guard reads of one input of the call a capture was made from."""
 
@@ -280,6 +284,8 @@ def _export(
                 output_dtypes=[leaf.dtype if isinstance(leaf, torch.Tensor) else None for leaf in eager_leaves],
                 dynamic=dynamic, graph_name=graph_name, output_dims=output_axes, optimize=optimize, owner=owner,
             )
+        except exporters.WritesState as e:
+            raise Refused(str(e)) from e
         except RuntimeError as e:
             raise CaptureError(f"the exporter failed: {hints.exporter_failure(e)}") from e
 

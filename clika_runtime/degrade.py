@@ -96,6 +96,8 @@ def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Att
     while True:
         try:
             return Attempt(_build_once(target, plan, out, work_dir), plan, notes, static_axes, unliftable)
+        except capture_mod.Refused:
+            raise
         except CaptureError as error:
             why = hints.first_line(error)
             step = unlifted(plan, target.owner)

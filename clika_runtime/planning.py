@@ -20,6 +20,7 @@ from clika_runtime.config import config
 from clika_runtime.errors import SignatureError, SignatureValueError
 from clika_runtime.guards import SPECIAL_BELOW
 from clika_runtime.key import CallKey, Described, Lifted, closest, explain, split
+from clika_runtime.pystate import autocast_off
 from clika_runtime.specs import TensorSpec
 from clika_runtime.table import CacheTable, Knowledge
 
@@ -202,6 +203,8 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     check_signature(call, options)
     if call.grad and torch.is_grad_enabled():
         return Eager()  # the caller is differentiating: stay eager, capture nothing
+    if not autocast_off():
+        return Eager()  # autocast picks each op's dtype: a graph keeps the dtypes it was traced at
     variants = table.entries.get(call.key, ())
     for capture in variants:
         if capture.guard.check(call.feeds) is None:

@@ -20,7 +20,8 @@ those attributes hold that carry attributes of their own (configs; two levels), 
 forward hooks; for a function, its closure cells, the globals its code names, its defaults and
 code, and the module trees among them. Not watched: globals of the functions it calls, objects
 deeper than two levels, private attributes other than those above, grad mode (graphs serve
-inference; see README).
+inference; see README). torch's default dtype is watched here; autocast is not state but a mode
+of the call (``autocast_off``): under it calls run eagerly.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ _MODULE_PRIVATE = ("_modules", "_forward_hooks", "_forward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 _call = getattr(operator, "call", None) or (lambda f, x: f(x))  # operator.call: Python 3.11+
 _contents = operator.attrgetter("cell_contents")
+
 _CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
          functools.partial, torch.nn.Module, torch.Tensor)
 _CONTAINERS = (dict, list, tuple, set, frozenset, str, bytes)
@@ -83,7 +85,7 @@ class Snapshot:
         else:
             for layer in _unwrapped(fn):
                 parts += _callable(layer, seen)
-        parts += _global_hooks()
+        parts += _global_hooks() + [_default_dtype()]
         return cls(parts, owner)
 
     def changed(self) -> list[str]:
@@ -93,6 +95,20 @@ class Snapshot:
         for part in self.parts:
             found += [word for word in _differences(part) if not (switched and _is_training(word))]
         return found
+
+
+def _autocast_check() -> Callable[[], bool]:
+    """One C call; without it (a torch that renamed it), the public check per device type."""
+    private = getattr(torch._C, "_is_any_autocast_enabled", None)
+    return private or (lambda: any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")))
+
+
+_any_autocast = _autocast_check()
+
+
+def autocast_off() -> bool:
+    """No ``torch.autocast`` region is active (graphs are captured at the inputs' own dtypes)."""
+    return not _any_autocast()
 
 
 def _always() -> bool:
@@ -220,6 +236,16 @@ def _global_hooks() -> list[Part]:
     hooks = [name for name in _GLOBAL_HOOKS if isinstance(namespace.get(name), dict)]
     global_hooks = replace(_dict_part("torch's", namespace, hooks, sized=False), variables=True, per_call=False)
     return [made, global_hooks] + [_sized("torch's", namespace[name]) for name in hooks if namespace[name]]
+
+
+def _default_dtype() -> Part:
+    """``torch.set_default_dtype``: what tensors made without a dtype are (``torch.ones(3)``)."""
+    return Part("torch's", torch, ("default dtype",), _get_default_dtype, (torch.get_default_dtype(),), None,
+                variables=True)
+
+
+def _get_default_dtype(_: Any) -> torch.dtype:
+    return torch.get_default_dtype()
 
 
 def _sized(name: str, hooks: dict) -> Part:

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from clika_runtime.key import CallKey, Described
-from clika_runtime.pystate import Snapshot
+from clika_runtime.pystate import Snapshot, autocast_off
 from clika_runtime.weights import Watch
 
 if TYPE_CHECKING:
@@ -61,7 +61,8 @@ class CacheTable:
     ``entries`` maps a key to its captures (one, or a few variants), in least-recently-captured
     order; ``flat`` is the flat hit of the newest capture; ``watch`` checks the baked weights;
     ``snapshot`` the Python state the captures read (attributes, hooks, globals);
-    ``fresh`` is the per-call check of both (one attribute away from a call);
+    ``fresh`` is the per-call check of both, and that no autocast region is active (one attribute
+    away from a call);
     ``pending`` is the reason the next capture will give (a graph dropped, weights changed).
     """
 
@@ -155,8 +156,10 @@ def _rebuilt(table: CacheTable, entries: dict, **changes: Any) -> CacheTable:
     snapshot = changes.pop("snapshot", table.snapshot)
     snapshot = snapshot if captures else Snapshot([])  # nothing captured: nothing to watch
     return replace(table, entries=MappingProxyType(entries), watch=watch, snapshot=snapshot,
-                   fresh=_both(watch.fresh, snapshot.fresh) if snapshot.parts else watch.fresh, **changes)
+                   fresh=_all(watch.fresh, snapshot.fresh) if snapshot.parts else watch.fresh, **changes)
 
 
-def _both(weights: Callable[[], bool], state: Callable[[], bool]) -> Callable[[], bool]:
-    return lambda: weights() and state()
+def _all(weights: Callable[[], bool], state: Callable[[], bool]) -> Callable[[], bool]:
+    """Weights and state as captured, and no autocast region (its calls go the miss path: eager)."""
+    off = autocast_off
+    return lambda: weights() and state() and off()

@@ -3,6 +3,6 @@
 Plain data in, plain data out: this package knows nothing of clika_runtime or serving.
 """
 
-from exporters.dynamo import ExportedGraph, export_graph, model_bytes, outputs, save
+from exporters.dynamo import ExportedGraph, WritesState, export_graph, model_bytes, outputs, save
 
-__all__ = ["ExportedGraph", "export_graph", "model_bytes", "outputs", "save"]
+__all__ = ["ExportedGraph", "WritesState", "export_graph", "model_bytes", "outputs", "save"]

@@ -196,6 +196,7 @@ def export_graph(
             )
     except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
         raise RuntimeError(root_cause(e)) from e
+    _refuse_state_writes(program.exported_program, owner)
     numbers = _numbers(program.exported_program, examples)
     number_symbols = {symbol: input_names[i] for symbol, i in numbers.pop("symbols").items()}
     graph_leaves = flat.plan()["graph_leaves"]
@@ -216,6 +217,24 @@ def export_graph(
         constants_read=_owned(program.exported_program.constants),
         **numbers,
     )
+
+
+class WritesState(RuntimeError):
+    """The traced function writes its module's buffers (``self.last.copy_(x)``, a training-mode
+    batch norm's running statistics): a graph returns outputs only, so served calls would skip the
+    writes. No other way of exporting helps."""
+
+
+def _refuse_state_writes(program: Any, owner: torch.nn.Module | None) -> None:
+    written = sorted(set(program.graph_signature.buffers_to_mutate.values()))
+    if not written:
+        return
+    names = [n.removeprefix("owner.") for n in written]  # the owner's own names (see `_owned`)
+    training = owner is not None and owner.training
+    raise WritesState(
+        f"the target writes buffer(s) {names} in place, which served calls would skip"
+        + (" (a training-mode module updates its statistics: call .eval() before serving)" if training
+           else " (keep the write out of the compiled function, or return the new value instead)"))
 
 
 def _edited(

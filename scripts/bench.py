@@ -5,7 +5,7 @@
 
 Sections (default: all but real-size, which takes minutes):
 - served: the served call against eager, inductor and onnxruntime (bare run, and bound once: the floor);
-- weights: the per-call cost of checking that baked weights are unchanged;
+- weights: the per-call cost of checking that baked weights (and Python state) are unchanged;
 - first-call: the first compiled call against the same steps done by hand;
 - cold-start: a fresh process's first call with an empty and a warm on-disk cache (bench_startup.py);
 - threads: two threads on a compiled function against two on InferenceSession.run (bench_threads.py);
@@ -202,7 +202,8 @@ WEIGHT_CHECK_SHARE = {"gpt2_tiny_s32": 0.02}  # ... and as a share of a served c
 
 
 def weights_check(names: tuple[str, ...], rounds: int, block: float) -> list[str]:
-    """The per-call cost of ``Watch.fresh()`` (weights unchanged?) against a served call."""
+    """The per-call cost of ``Watch.fresh()`` (weights unchanged?) against a served call, and of
+    the whole staleness check (weights, Python state, no autocast) that a served call makes."""
     lines = []
     for w in build(names):
         inputs = w.inputs(w.size)
@@ -210,14 +211,14 @@ def weights_check(names: tuple[str, ...], rounds: int, block: float) -> list[str
         with torch.no_grad():
             f(*inputs)
             f(*inputs)
-        fresh = f._lifecycle.table.watch.fresh
-        baked = len(f._lifecycle.table.watch.baked)
+        table = f._lifecycle.table
+        fresh, everything, baked = table.watch.fresh, table.fresh, len(table.watch.baked)
 
         def served() -> Any:
             with torch.no_grad():
                 return f(*inputs)
 
-        samples = measure({"check": fresh, "served": served}, rounds, block)
+        samples = measure({"check": fresh, "all": everything, "served": served}, rounds, block)
         check, share = min(samples["check"]), paired_ratio(samples["check"], samples["served"])
         verdicts = []
         if w.name in WEIGHT_CHECK_US:
@@ -227,6 +228,9 @@ def weights_check(names: tuple[str, ...], rounds: int, block: float) -> list[str
             verdicts.append(f"target <= {limit:.0%} {'met' if share <= limit else 'MISSED'}")
         lines.append(f"weights check ({w.name}, {baked} tensors): {check:.2f} us per call, {share:.1%} of a served "
                      f"call" + (f" ({'; '.join(verdicts)})" if verdicts else ""))
+        lines.append(f"whole staleness check ({w.name}: weights, {len(table.snapshot.parts)} parts of Python state, "
+                     f"autocast): {min(samples['all']):.2f} us per call, "
+                     f"{paired_ratio(samples['all'], samples['served']):.1%} of a served call")
     return lines
 
 

@@ -11,7 +11,7 @@ import torch
 import clika_runtime as cr
 import exporters.graph_edits
 import serving
-from clika_runtime import CaptureError, capture, trees
+from clika_runtime import CaptureError, capture, pystate, trees
 from conftest import current
 
 State = cr.CompiledFunction.State
@@ -84,3 +84,11 @@ def test_graphs_hands_out_every_capture_without_changing_what_is_served():
     assert [c.key for c in f.captures] == ["x: float32 on cpu, mode='a'", "x: float32 on cpu, mode='b'"]
     torch.testing.assert_close(f(x, "b"), x - 1)
     assert f.recapture_count == 1
+
+
+def test_autocast_is_seen_without_torchs_private_check(monkeypatch):
+    monkeypatch.delattr(torch._C, "_is_any_autocast_enabled")
+    check = pystate._autocast_check()
+    assert not check()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert check()

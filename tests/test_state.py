@@ -223,3 +223,63 @@ def test_trap_hf_config_flag_set_after_capture_is_followed():
     for got, expected in zip(served.hidden_states, eager.hidden_states):
         torch.testing.assert_close(got, expected)
     assert f.recapture_reasons == ["state changed: 'config.output_hidden_states'"]
+
+
+def test_trap_calls_under_autocast_run_eagerly():
+    model, f, x = _knobs()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        served, eager = f(x), model(x)
+    assert served.dtype == eager.dtype == torch.bfloat16
+    torch.testing.assert_close(served, eager)
+    fresh = cr.compile(Knobs().eval())  # a first call under autocast captures nothing
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fresh(x).dtype == torch.bfloat16
+    assert fresh.state is cr.CompiledFunction.State.Pending
+    with torch.no_grad():
+        assert f(x).dtype == torch.float32 and f.recapture_count == 0  # outside it: served as before
+
+
+def test_trap_default_dtype_set_after_capture_is_followed():
+    target = Counted(lambda x: x / 2)  # integer division's result takes the default dtype
+    f = cr.compile(target)
+    x = torch.arange(3)
+    assert f(x).dtype == torch.float32
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = f(x)
+        assert out.dtype == torch.float64 and "default dtype" in f.recapture_reasons[0]
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+class Remembers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("last", torch.zeros(2))
+
+    def forward(self, x):
+        self.last.copy_(x)  # served calls could not do this
+        return x * 2
+
+
+def test_trap_a_forward_that_writes_its_buffers_is_not_captured():
+    model = Remembers().eval()
+    f = cr.compile(model)
+    with pytest.warns(UserWarning, match=r"writes buffer\(s\) \['last'\]"):
+        f(torch.full((2,), 1.0))
+    for value in (2.0, 3.0):
+        torch.testing.assert_close(f(torch.full((2,), value)), torch.full((2,), 2 * value))
+        torch.testing.assert_close(model.last, torch.full((2,), value))  # eager ran: the write happened
+    assert f.state is cr.CompiledFunction.State.Fallback and "return the new value" in f.fallback_reason
+
+
+def test_trap_training_mode_batch_norm_is_not_served_without_its_statistics():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))  # training mode, as built
+    f = cr.compile(model)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="running_mean"):
+            f(torch.randn(4, 3))
+        before = model[1].running_mean.clone()
+        f(torch.randn(4, 3))
+    assert not torch.equal(model[1].running_mean, before)  # eager updated the statistics
+    assert ".eval()" in f.fallback_reason
