@@ -73,7 +73,12 @@ class Snapshot:
         # Captures are keyed by the root's training flag: ``model.train()`` / ``.eval()`` switching
         # every module at once is not a change of state, one submodule switched alone is.
         self.uniform = root is not None and _uniform(root)
-        self.fresh: Callable[[], bool] = _fresh_check(self.parts) if self.parts else _always
+        self.fresh: Callable[[], bool] = self.check(_always, modes=False) if self.parts else _always
+
+    def check(self, weights: Callable[[], bool], modes: bool = True) -> Callable[[], bool]:
+        """The served call's whole check as one closure: ``weights()`` first, then this state, then
+        (``modes``) that no autocast region is active."""
+        return _fresh_check(self.parts, weights, _any_autocast if modes else _never)
 
     @classmethod
     def of(cls, fn: Any, owner: torch.nn.Module | None) -> "Snapshot":
@@ -115,6 +120,10 @@ def _always() -> bool:
     return True
 
 
+def _never() -> bool:
+    return False
+
+
 def _is_training(word: str) -> bool:
     return word == "'training'" or word.endswith(".training'")
 
@@ -123,18 +132,26 @@ def _uniform(root: torch.nn.Module) -> bool:
     return len({m.training for m in root.modules()}) == 1
 
 
-def _fresh_check(parts: tuple[Part, ...]) -> Callable[[], bool]:
-    """One closure over plain data: the lengths, then the watched values, each list compared whole."""
+def _fresh_check(parts: tuple[Part, ...], weights: Callable[[], bool], autocast: Callable[[], bool]) -> Callable[[], bool]:
+    """One closure over plain data: the weights, torch's hook count and default dtype (read
+    inline: the commonest checks, the cheapest way), the lengths, then the watched values, each
+    list compared whole."""
+    from torch.utils.hooks import RemovableHandle
+
     sized = tuple(p.container for p in parts if p.size is not None)
     sizes = [p.size for p in parts if p.size is not None]
     checked = [p for p in parts if p.read is not None and p.per_call]
     readers = tuple(p.read for p in checked)
     read_from = tuple(p.container for p in checked)
     values = [p.values[0] if len(p.keys) == 1 else p.values for p in checked]  # a getter of one key: its value
+    handles, made = RemovableHandle, RemovableHandle.next_id
+    default_dtype, dtype = torch.get_default_dtype, torch.get_default_dtype()
 
     def fresh() -> bool:
         try:
-            return list(map(len, sized)) == sizes and list(map(_call, readers, read_from)) == values
+            return (weights() and handles.next_id == made and default_dtype() is dtype
+                    and list(map(len, sized)) == sizes and list(map(_call, readers, read_from)) == values
+                    and not autocast())
         except Exception:  # a value whose == cannot answer (an array): the miss path compares carefully
             return False
 
@@ -231,7 +248,7 @@ def _global_hooks() -> list[Part]:
     from torch.utils.hooks import RemovableHandle
 
     made = Part("hooks", RemovableHandle, ("next_id",), operator.attrgetter("next_id"),
-                (RemovableHandle.next_id,), None, trigger=True)
+                (RemovableHandle.next_id,), None, per_call=False, trigger=True)  # read inline per call
     namespace = vars(module)
     hooks = [name for name in _GLOBAL_HOOKS if isinstance(namespace.get(name), dict)]
     global_hooks = replace(_dict_part("torch's", namespace, hooks, sized=False), variables=True, per_call=False)
@@ -241,7 +258,7 @@ def _global_hooks() -> list[Part]:
 def _default_dtype() -> Part:
     """``torch.set_default_dtype``: what tensors made without a dtype are (``torch.ones(3)``)."""
     return Part("torch's", torch, ("default dtype",), _get_default_dtype, (torch.get_default_dtype(),), None,
-                variables=True)
+                variables=True, per_call=False)  # read inline per call
 
 
 def _get_default_dtype(_: Any) -> torch.dtype:

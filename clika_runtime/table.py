@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from clika_runtime.key import CallKey, Described
-from clika_runtime.pystate import Snapshot, autocast_off
+from clika_runtime.pystate import Snapshot
 from clika_runtime.weights import Watch
 
 if TYPE_CHECKING:
@@ -155,11 +155,6 @@ def _rebuilt(table: CacheTable, entries: dict, **changes: Any) -> CacheTable:
     watch = Watch([b for c in captures for b in c.baked])
     snapshot = changes.pop("snapshot", table.snapshot)
     snapshot = snapshot if captures else Snapshot([])  # nothing captured: nothing to watch
+    # Weights and state as captured, and no autocast region (its calls go the miss path: eager).
     return replace(table, entries=MappingProxyType(entries), watch=watch, snapshot=snapshot,
-                   fresh=_all(watch.fresh, snapshot.fresh) if snapshot.parts else watch.fresh, **changes)
-
-
-def _all(weights: Callable[[], bool], state: Callable[[], bool]) -> Callable[[], bool]:
-    """Weights and state as captured, and no autocast region (its calls go the miss path: eager)."""
-    off = autocast_off
-    return lambda: weights() and state() and off()
+                   fresh=snapshot.check(watch.fresh) if snapshot.parts else watch.fresh, **changes)
