@@ -24,7 +24,7 @@ from clika_runtime import guards, hints, hits, kvcache, metadata, treedesc, tree
 from clika_runtime.calls import CallForms
 from clika_runtime.config import config
 from clika_runtime.describe import TensorInfo
-from clika_runtime.errors import CaptureError, VerificationError
+from clika_runtime.errors import CaptureError, UncapturableError, VerificationError
 from clika_runtime.guards import Guard, InputRule, dtype_name, evaluate
 from clika_runtime.key import CallKey, Described
 from clika_runtime.planning import CapturePlan
@@ -35,10 +35,6 @@ _SCALARS = {int: "int", float: "float", bool: "bool"}
 
 
 _monotonic = time.monotonic
-
-
-class Refused(CaptureError):
-    """A capture no retry can make: the target does what a graph cannot (writes its buffers)."""
 
 
 class Example(NamedTuple):
@@ -137,6 +133,7 @@ def _build(
     phases: dict[str, float] = {}
     call = plan.call
     eager_leaves, out_spec = trees.flatten(eager_out)
+    hints.check_inputs(call.feeds, call.names)
     hints.check_outputs(eager_leaves)
     names = output_names_of(eager_out, eager_leaves, output_names)
     trace = _tracer(plan, target, forms)
@@ -285,7 +282,7 @@ def _export(
                 dynamic=dynamic, graph_name=graph_name, output_dims=output_axes, optimize=optimize, owner=owner,
             )
         except exporters.WritesState as e:
-            raise Refused(str(e)) from e
+            raise UncapturableError(str(e)) from e
         except RuntimeError as e:
             raise CaptureError(f"the exporter failed: {hints.exporter_failure(e)}") from e
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 from clika_runtime import capture as capture_mod
 from clika_runtime import hints, restore, trees
-from clika_runtime.errors import CaptureError, SignatureValueError
+from clika_runtime.errors import CaptureError, SignatureValueError, UncapturableError
 from clika_runtime.planning import CapturePlan, learned_static, unlifted, variant_static
 from clika_runtime.sharing import TARGETS
 from clika_runtime.target import Target
@@ -96,7 +96,7 @@ def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Att
     while True:
         try:
             return Attempt(_build_once(target, plan, out, work_dir), plan, notes, static_axes, unliftable)
-        except capture_mod.Refused:
+        except UncapturableError:
             raise
         except CaptureError as error:
             why = hints.first_line(error)

@@ -11,6 +11,10 @@ class CaptureError(ClikaError):
     """A call could not be served from one verified graph (raised with ``fullgraph=True``)."""
 
 
+class UncapturableError(CaptureError):
+    """The target does what no graph can (writes its buffers, takes complex tensors): no retry is made."""
+
+
 class VerificationError(CaptureError):
     """A freshly captured graph disagreed with the eager result of the call that made it."""
 

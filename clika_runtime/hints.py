@@ -12,13 +12,16 @@ from typing import Any, Sequence
 
 import torch
 
-from clika_runtime.errors import CaptureError
+from clika_runtime.errors import CaptureError, UncapturableError
 from clika_runtime.key import Unkeyable
 
 logger = logging.getLogger("clika_runtime")
 
 _ONNX_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
-                torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+                torch.int64, torch.uint8, torch.bool}
+# torch.onnx exports complex tensors as real (..., 2) pairs: a graph input or output would not
+# take or give the caller's tensor.
+_COMPLEX_FIX = "pass torch.view_as_real(...) and return torch.view_as_real(...) (complex tensors enter and leave graphs as real pairs)"
 _OUTPUT_VALUES = (int, float, bool, str, bytes, type(None))
 
 
@@ -28,10 +31,19 @@ def first_line(error: BaseException) -> str:
     return lines[0][:300] if lines else type(error).__name__
 
 
+def check_inputs(feeds: Sequence[Any], names: Sequence[str]) -> None:
+    """Inputs a graph cannot take as they are: an ``UncapturableError`` naming the input and the fix."""
+    for name, feed in zip(names, feeds):
+        if isinstance(feed, torch.Tensor) and feed.is_complex():
+            raise UncapturableError(f"input '{name}' is {feed.dtype}: {_COMPLEX_FIX}")
+
+
 def check_outputs(leaves: Sequence[Any]) -> None:
     """Output leaves a graph cannot return: a clear ``CaptureError`` with the fix."""
     for pos, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
+            if leaf.is_complex():
+                raise UncapturableError(f"output {pos} is {leaf.dtype}: {_COMPLEX_FIX}")
             if leaf.dtype not in _ONNX_DTYPES:
                 raise CaptureError(f"output {pos}: dtype {leaf.dtype} has no ONNX type")
         elif isinstance(leaf, Unkeyable):  # a KV cache the adapter refuses (kvcache.Refused): why and the fix

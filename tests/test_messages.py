@@ -68,6 +68,16 @@ def test_an_output_a_graph_cannot_return_names_its_type_and_the_fix():
         f(torch.ones(2))
 
 
+@pytest.mark.parametrize("target, where", [(lambda x: x * 2, "input 'x'"), (lambda x: torch.polar(x, x), "output 0")],
+                         ids=["complex-input", "complex-output"])
+def test_trap_complex_tensors_are_refused_with_the_fix_not_a_rank_riddle(target, where):
+    # torch.onnx turns complex tensors into real pairs; the capture used to fail on "expected rank 2 [3, 2]".
+    f = cr.compile(target, fullgraph=True)
+    x = torch.randn(3, dtype=torch.complex64) if where.startswith("input") else torch.rand(3)
+    with pytest.raises(CaptureError, match=rf"{where} is torch.complex64: pass torch.view_as_real"):
+        f(x)
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 
