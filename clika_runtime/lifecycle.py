@@ -19,7 +19,7 @@ from typing import Any, Callable
 from clika_runtime import degrade, hints, kvcache, memory, pystate, restore, trees
 from clika_runtime.capture import Capture
 from clika_runtime.config import config
-from clika_runtime.errors import CaptureError
+from clika_runtime.errors import CaptureError, VerificationError
 from clika_runtime.hits import RunFailed
 from clika_runtime.key import CallKey, Unkeyable
 from clika_runtime.planning import Call, CapturePlan, Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget
@@ -148,9 +148,10 @@ class Lifecycle:
             return rewatched(table, self._snapshot())
         return without(table, table.captures, pending=f"state changed: {_listed(changed, str)}")
 
-    def _snapshot(self) -> pystate.Snapshot:
-        """The Python state the target reads now (the caller holds ``TARGETS`` shared)."""
-        return pystate.Snapshot.of(self.target.fn, self.target.owner)
+    def _snapshot(self, written: frozenset[tuple[str, str]] = frozenset()) -> pystate.Snapshot:
+        """The Python state the target reads now, but what it writes itself (the caller holds
+        ``TARGETS`` shared)."""
+        return pystate.Snapshot.of(self.target.fn, self.target.owner, self.table.written | written)
 
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
@@ -163,6 +164,8 @@ class Lifecycle:
 
     def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, eager: Any = None) -> Any:
         """Capture ``plan`` from its call (``eager``: its result when already in hand, as a 1-tuple)."""
+        with TARGETS.shared():
+            before = self._snapshot()  # to tell what the target writes itself
         if eager is None:
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
             if mutated:
@@ -173,29 +176,39 @@ class Lifecycle:
         try:
             attempt = degrade.build(self.target, plan, out)
         except CaptureError as error:
-            return self._give_up(f"capture failed: {error}", generation, lambda: out)
+            with TARGETS.shared():
+                written = before.moved()
+            why = f" (the target writes {_listed(sorted(written), _entry)} itself, which a graph cannot)" \
+                if written and isinstance(error, VerificationError) else ""
+            return self._give_up(f"capture failed: {error}{why}", generation, lambda: out)
         with TARGETS.shared():
-            snapshot = self._snapshot()  # the state the export read (taken after it, before the lock)
+            written = before.moved()  # by this call's eager run and trace: outputs of the target, not inputs
+            snapshot = self._snapshot(written)  # the state the export read (taken after it, before the lock)
+        if written:
+            attempt.notes.append(f"{_listed(sorted(written), _entry)} written by the target itself: not watched, "
+                                 "and served calls do not write it")
         with self.lock:
-            before = len(self.table.captures)
-            taught = self._install(attempt, generation, snapshot)
-            dropped = before + 1 > len(self.table.captures)
+            held = len(self.table.captures)
+            taught = self._install(attempt, generation, snapshot, written)
+            dropped = held + 1 > len(self.table.captures)
         if taught is not None:  # outside the lock: disk I/O
             restore.remember(self.target, taught)
         if dropped:  # a superseded or evicted capture's session is gone: its memory too
             memory.give_back()
         return out
 
-    def _install(self, attempt: degrade.Attempt, generation: int, snapshot: pystate.Snapshot) -> Knowledge | None:
+    def _install(self, attempt: degrade.Attempt, generation: int, snapshot: pystate.Snapshot,
+                 written: frozenset[tuple[str, str]]) -> Knowledge | None:
         """Swap in the table with the new capture (the caller holds the lock); return what the
         function learned when the capture taught it something new."""
         table, plan, capture = self.table, attempt.plan, attempt.capture
         if table.generation != generation or table.state is State.Fallback:
             return None  # reset() or a failure elsewhere since this capture began: it serves nothing
+        table = replace(table, written=table.written | written)
         if table.captures and not table.snapshot.fresh():
             with TARGETS.shared():
-                moved = table.snapshot.changed()
-            if moved:  # the state moved since the other captures were made (this call's eager run moved it)
+                moved = table.snapshot.moved() - table.written
+            if moved:  # the state moved since the other captures were made (not by the target itself)
                 table = without(table, table.captures, pending=None)
         knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
                             unliftable=attempt.unliftable)
@@ -272,6 +285,12 @@ def _disagreement(capture: Capture, feeds: Any, out: Any) -> str | None:
 def _listed(items: list[Any], word: Callable[[Any], str]) -> str:
     """The first four of ``items`` in words, and how many more."""
     return ", ".join(word(i) for i in items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+
+
+def _entry(pair: tuple[str, str]) -> str:
+    """A ``Snapshot.moved()`` pair in words: ``'last_batch'``, ``'encoder.last_batch'``."""
+    where, key = pair
+    return f"'{key}'" if where == "the module" else f"{where} '{key}'" if " " in where else f"'{where}.{key}'"
 
 
 def _mutation(names: list[str]) -> str:

@@ -81,8 +81,9 @@ class Snapshot:
         return _fresh_check(self.parts, weights, _any_autocast if modes else _never)
 
     @classmethod
-    def of(cls, fn: Any, owner: torch.nn.Module | None) -> "Snapshot":
-        """The state ``fn`` (whose weights ``owner`` holds, if a module) reads now."""
+    def of(cls, fn: Any, owner: torch.nn.Module | None, skip: frozenset[tuple[str, str]] = frozenset()) -> "Snapshot":
+        """The state ``fn`` (whose weights ``owner`` holds, if a module) reads now, but the
+        entries in ``skip`` (``moved()`` pairs: what the target writes itself)."""
         seen: set[int] = set()
         parts: list[Part] = []
         if owner is not None:
@@ -91,15 +92,19 @@ class Snapshot:
             for layer in _unwrapped(fn):
                 parts += _callable(layer, seen)
         parts += _global_hooks() + [_default_dtype()]
-        return cls(parts, owner)
+        kept = [_without(part, skip) for part in parts] if skip else parts
+        return cls([part for part in kept if part is not None], owner)
 
     def changed(self) -> list[str]:
         """What differs from the snapshot, in words (empty: nothing a call reads)."""
         switched = self.uniform and _uniform(self.root)  # a whole-model train()/eval(): the key has it
-        found = []
-        for part in self.parts:
-            found += [word for word in _differences(part) if not (switched and _is_training(word))]
-        return found
+        words = [_word(part, key) for part in self.parts for key in _differences(part)]
+        return [word for word in words if not (switched and _is_training(word))]
+
+    def moved(self) -> frozenset[tuple[str, str]]:
+        """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of
+        the target, what the target writes itself (``self.last_batch = ...``)."""
+        return frozenset((part.name, key) for part in self.parts for key in _differences(part))
 
 
 def _autocast_check() -> Callable[[], bool]:
@@ -316,18 +321,29 @@ def _frozen(value: Any) -> Any:
 
 
 def _differences(part: Part) -> list[str]:
-    """The watched entries of ``part`` that differ, as "name.key" words."""
+    """The keys of ``part`` whose values differ, and public keys added since."""
     if part.trigger:
         return []
     try:
         now = part.read(part.container) if part.read is not None else ()
         now = (now,) if len(part.keys) == 1 else now  # a getter of one key gives the value itself
     except Exception:  # an entry deleted, a cell emptied
-        return [f"{part.name}: {', '.join(part.keys) or 'its entries'}"]
-    found = [_word(part, key) for key, old, new in zip(part.keys, part.values, now) if not _same(old, new)]
+        return list(part.keys)
+    found = [key for key, old, new in zip(part.keys, part.values, now) if not _same(old, new)]
     if part.size is not None and len(part.container) != part.size:
-        found += [_word(part, key) for key in part.container if key not in part.known and not key.startswith("_")]
+        found += [key for key in part.container if key not in part.known and not key.startswith("_")]
     return found
+
+
+def _without(part: Part, skip: frozenset[tuple[str, str]]) -> Part | None:
+    """``part`` without the keys in ``skip``; a part that is not a dictionary is left out whole."""
+    kept = [key for key in part.keys if (part.name, key) not in skip]
+    if len(kept) == len(part.keys):
+        return part
+    if not isinstance(part.container, dict):
+        return None
+    fewer = _dict_part(part.name, part.container, kept, sized=part.size is not None)
+    return replace(fewer, variables=part.variables, per_call=part.per_call)
 
 
 def _word(part: Part, key: str) -> str:

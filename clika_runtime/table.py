@@ -60,7 +60,8 @@ class CacheTable:
 
     ``entries`` maps a key to its captures (one, or a few variants), in least-recently-captured
     order; ``flat`` is the flat hit of the newest capture; ``watch`` checks the baked weights;
-    ``snapshot`` the Python state the captures read (attributes, hooks, globals);
+    ``snapshot`` the Python state the captures read (attributes, hooks, globals), but
+    ``written``, what the target's own calls write (``self.last_batch = ...``);
     ``fresh`` is the per-call check of both, and that no autocast region is active (one attribute
     away from a call);
     ``pending`` is the reason the next capture will give (a graph dropped, weights changed).
@@ -71,6 +72,7 @@ class CacheTable:
     flat: Callable[[tuple], Any] | None = None
     watch: Watch = field(default_factory=lambda: Watch(()))
     snapshot: Snapshot = field(default_factory=lambda: Snapshot([]))
+    written: frozenset[tuple[str, str]] = frozenset()  # state the target writes itself: not watched
     fresh: Callable[[], bool] = field(default=lambda: True)
     knowledge: Knowledge = field(default_factory=Knowledge)
     recaptures: int = 0

@@ -283,3 +283,48 @@ def test_trap_training_mode_batch_norm_is_not_served_without_its_statistics():
         f(torch.randn(4, 3))
     assert not torch.equal(model[1].running_mean, before)  # eager updated the statistics
     assert ".eval()" in f.fallback_reason
+
+
+class Notes(torch.nn.Module):
+    """Writes a public attribute on every call (a debugging habit), never reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.last_batch = None
+
+    def forward(self, x):
+        self.last_batch = x.shape[0]
+        return self.fc(x)
+
+
+def test_trap_state_the_target_writes_itself_is_not_a_change_of_state():
+    model = Notes().eval()
+    f = cr.compile(model)
+    with torch.no_grad():
+        for batch in (2, 2, 3, 3, 5, 1, 2, 7, 1, 3):
+            x = torch.randn(batch, 4)
+            torch.testing.assert_close(f(x), model.fc(x))
+    assert f.recapture_reasons == ["shape drift: input 'x' axis 0: 2 -> 3"]
+    assert any("'last_batch' written by the target itself" in note for note in f.capture_notes)
+
+
+class Counts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.calls  # reads what it writes: no graph can serve it
+
+
+def test_trap_state_the_target_reads_and_writes_is_never_served():
+    model = Counts()
+    f = cr.compile(model)
+    with pytest.warns(UserWarning, match=r"disagrees with eager.*the target writes 'calls' itself"):
+        torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 1.0))
+    for _ in range(2):
+        calls = model.calls
+        torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), float(calls + 1)))
+    assert f.state is cr.CompiledFunction.State.Fallback
