@@ -172,18 +172,18 @@ class Lifecycle:
                 return self._give_up(_mutation(mutated), generation, lambda: out)
         else:
             (out,) = eager
+        with TARGETS.shared():
+            written = before.moved()  # by this call's eager run: outputs of the target, not inputs
+            # The state the trace starts from: a change another thread makes while it runs is a
+            # change the next call sees (taken after the trace, it would be baked unseen).
+            snapshot = self._snapshot(written)
         plan = kvcache.planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
         try:
             attempt = degrade.build(self.target, plan, out)
         except CaptureError as error:
-            with TARGETS.shared():
-                written = before.moved()
             why = f" (the target writes {_listed(sorted(written), _entry)} itself, which a graph cannot)" \
                 if written and isinstance(error, VerificationError) else ""
             return self._give_up(f"capture failed: {error}{why}", generation, lambda: out)
-        with TARGETS.shared():
-            written = before.moved()  # by this call's eager run and trace: outputs of the target, not inputs
-            snapshot = self._snapshot(written)  # the state the export read (taken after it, before the lock)
         if written:
             attempt.notes.append(f"{_listed(sorted(written), _entry)} written by the target itself: not watched, "
                                  "and served calls do not write it")

@@ -29,7 +29,8 @@ from __future__ import annotations
 import functools
 import operator
 import types
-from dataclasses import dataclass, replace
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -46,6 +47,8 @@ _contents = operator.attrgetter("cell_contents")
 _CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
          functools.partial, torch.nn.Module, torch.Tensor)
 _CONTAINERS = (dict, list, tuple, set, frozenset, str, bytes)
+_INERT = (logging.Logger, logging.LoggerAdapter)  # their state never changes what a graph computes
+_CONTAINER_MODULES = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 @dataclass(frozen=True)
@@ -84,16 +87,22 @@ class Snapshot:
     def of(cls, fn: Any, owner: torch.nn.Module | None, skip: frozenset[tuple[str, str]] = frozenset()) -> "Snapshot":
         """The state ``fn`` (whose weights ``owner`` holds, if a module) reads now, but the
         entries in ``skip`` (``moved()`` pairs: what the target writes itself)."""
-        seen: set[int] = set()
-        parts: list[Part] = []
-        if owner is not None:
-            parts += _module_tree(owner, "", seen)
-        else:
-            for layer in _unwrapped(fn):
-                parts += _callable(layer, seen)
-        parts += _global_hooks() + [_default_dtype()]
+        parts, walk = cls._parts(fn, owner)
         kept = [_without(part, skip) for part in parts] if skip else parts
         return cls([part for part in kept if part is not None], owner)
+
+    @staticmethod
+    def _parts(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], _Walk]:
+        walk = _Walk()
+        parts: list[Part] = []
+        if owner is not None:
+            parts += _module_tree(owner, "", walk)
+            forward = _forward(fn, owner)
+            parts += _globals(forward, walk) if forward is not None else []
+        else:
+            for layer in _unwrapped(fn):
+                parts += _callable(layer, walk)
+        return parts + _global_hooks() + [_default_dtype()], walk
 
     def changed(self) -> list[str]:
         """What differs from the snapshot, in words (empty: nothing a call reads)."""
@@ -105,6 +114,12 @@ class Snapshot:
         """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of
         the target, what the target writes itself (``self.last_batch = ...``)."""
         return frozenset((part.name, key) for part in self.parts for key in _differences(part))
+
+
+def modules_reached(fn: Any, owner: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:
+    """The modules a target reads outside its owner's registered tree, by where it finds them
+    (``model`` in a closure, ``the callable object.model``, ``layers.0`` in a plain list)."""
+    return Snapshot._parts(fn, owner)[1].reached
 
 
 def _autocast_check() -> Callable[[], bool]:
@@ -166,12 +181,35 @@ def _fresh_check(parts: tuple[Part, ...], weights: Callable[[], bool], autocast:
 # ------------------------------------------------------------------------------------- building
 
 
-def _module_tree(root: torch.nn.Module, prefix: str, seen: set[int]) -> list[Part]:
+@dataclass
+class _Walk:
+    """What building a snapshot has met: objects already watched, and the modules the target
+    reaches outside its owner's registered tree (their tensors are baked as constants)."""
+
+    seen: set[int] = field(default_factory=set)
+    reached: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+
+
+def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]:
+    """What a value the target reads holds that may change: a module's tree, an object's
+    attributes, and those of the modules and objects in a small container."""
+    if isinstance(value, torch.nn.Module):
+        if id(value) in walk.seen:
+            return []
+        walk.reached.append((name, value))
+        return _module_tree(value, name, walk)
+    if type(value) in (list, tuple, dict) and len(value) <= _COPIED:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return [part for key, item in items for part in _held(item, f"{name}.{key}", walk, depth)]
+    return _objects(value, name, walk, depth) if _carries_attributes(value) else []
+
+
+def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
     parts = []
     for name, module in root.named_modules(prefix=prefix):
-        if id(module) in seen:
+        if id(module) in walk.seen:
             continue
-        seen.add(id(module))
+        walk.seen.add(id(module))
         state = vars(module)
         keys = [k for k in state if not k.startswith("_")]
         where = name or "the module"
@@ -179,72 +217,92 @@ def _module_tree(root: torch.nn.Module, prefix: str, seen: set[int]) -> list[Par
         parts.append(replace(_dict_part(where, state, [k for k in _MODULE_PRIVATE if k in state], sized=False),
                              per_call=False))
         parts += [_sized(where, state[k]) for k in _MODULE_PRIVATE[1:] if state.get(k)]  # a hook removed
+        if isinstance(module, _CONTAINER_MODULES):  # their forward iterates their children: a deletion shows
+            parts.append(_dict_part(where, state, ["_modules"], sized=False))
         for key in keys:
-            if _carries_attributes(state[key]):
-                parts += _objects(state[key], f"{where}.{key}" if name else key, seen, _DEPTH)
+            parts += _held(state[key], f"{where}.{key}" if name else key, walk)
     return parts
 
 
-def _objects(value: Any, name: str, seen: set[int], depth: int) -> list[Part]:
-    """An attribute-carrying object (a config) and those it holds, ``depth`` levels down."""
-    if depth == 0 or id(value) in seen:
+def _objects(value: Any, name: str, walk: _Walk, depth: int) -> list[Part]:
+    """An attribute-carrying object (a config) and those it holds, ``depth`` levels down; its
+    private attributes too (transformers keeps ``_attn_implementation`` there)."""
+    if depth == 0 or id(value) in walk.seen:
         return []
-    seen.add(id(value))
+    walk.seen.add(id(value))
     state = vars(value)
-    keys = [k for k in state if not k.startswith("_")]
+    keys = [k for k in state if not k.startswith("__")]
     if len(keys) > 4 * _COPIED:  # not a config: a big object held by reference, watched by identity
         return []
     parts = [_dict_part(name, state, keys, sized=True)]
     for key in keys:
-        if _carries_attributes(state[key]):
-            parts += _objects(state[key], f"{name}.{key}", seen, depth - 1)
+        parts += _held(state[key], f"{name}.{key}", walk, depth - 1)
     return parts
 
 
 def _unwrapped(fn: Any) -> Iterator[Any]:
-    """``fn`` and the callables it wraps (``functools.wraps``, a wrapper object's ``__wrapped__``)."""
+    """``fn`` and the callables it wraps (``functools.wraps``, a wrapper object's ``__wrapped__``,
+    a ``functools.partial``'s function)."""
     met: set[int] = set()
     while fn is not None and id(fn) not in met:
         met.add(id(fn))
         yield fn
-        fn = getattr(fn, "__wrapped__", None)
+        fn = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__wrapped__", None)
 
 
-def _callable(fn: Any, seen: set[int]) -> list[Part]:
-    """What one layer of a target that is not a module reads: a function's variables, a bound
-    method's object, a callable object's attributes (a wrapper's are its own bookkeeping)."""
+def _callable(fn: Any, walk: _Walk) -> list[Part]:
+    """What one layer of a target that is not a module reads: a function's variables, a
+    partial's arguments, a bound method's object, a callable object's attributes (a wrapper's
+    are its own bookkeeping), a module called through a partial."""
+    if isinstance(fn, torch.nn.Module):
+        return _held(fn, "module", walk)
+    if isinstance(fn, functools.partial):
+        parts = [Part("the partial's", fn, ("args", "keywords"), operator.attrgetter("args", "keywords"),
+                      (_frozen(fn.args), _frozen(fn.keywords)), None, variables=True)]
+        return parts + _held(fn.args, "argument", walk) + _held(fn.keywords, "keyword", walk)
     inner = getattr(fn, "__func__", fn)
-    parts = _function(inner, seen) if isinstance(inner, types.FunctionType) else []
+    parts = _function(inner, walk) if isinstance(inner, types.FunctionType) else []
     if inner is not fn:
         held, name = getattr(fn, "__self__", None), "the bound object"
     else:
         held, name = (None if hasattr(fn, "__wrapped__") else fn), "the callable object"
     if held is not None and not isinstance(held, _CODE + _CONTAINERS) and isinstance(getattr(held, "__dict__", None), dict):
-        parts += _objects(held, name, seen, _DEPTH)
+        parts += _objects(held, name, walk, _DEPTH)
     return parts
 
 
-def _function(fn: types.FunctionType, seen: set[int]) -> list[Part]:
+def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
     parts = [Part(f"{fn.__qualname__}'s", fn, ("__defaults__", "__kwdefaults__", "__code__"),
                   operator.attrgetter("__defaults__", "__kwdefaults__", "__code__"),
-                  (fn.__defaults__, _frozen(fn.__kwdefaults__), fn.__code__), None, variables=True)]
+                  (_frozen(fn.__defaults__), _frozen(fn.__kwdefaults__), fn.__code__), None, variables=True)]
     cells = tuple(c for c in fn.__closure__ or () if _filled(c))
     names = dict(zip((id(c) for c in fn.__closure__ or ()), fn.__code__.co_freevars))
     if cells:  # one cell is read alone: a getter of one key gives the value itself
         parts.append(Part("closed-over", cells[0] if len(cells) == 1 else cells, tuple(names[id(c)] for c in cells),
                           _contents if len(cells) == 1 else _cells, tuple(_frozen(c.cell_contents) for c in cells),
                           None, variables=True))
+    for cell in cells:
+        parts += _held(cell.cell_contents, names[id(cell)], walk)
+    return parts + _globals(fn, walk)
+
+
+def _globals(fn: types.FunctionType, walk: _Walk) -> list[Part]:
+    """The globals ``fn``'s code names (modules aside: ``torch``, ``F``) and what they hold."""
     namespace = fn.__globals__
     read = sorted(k for k in _names(fn.__code__) if k in namespace and not isinstance(namespace[k], types.ModuleType))
-    if read:
-        parts.append(replace(_dict_part("global", namespace, read, sized=False), variables=True))
-    held = [(names[id(c)], c.cell_contents) for c in cells] + [(k, namespace[k]) for k in read]
-    for name, value in held:
-        if isinstance(value, torch.nn.Module):
-            parts += _module_tree(value, name, seen)
-        elif _carries_attributes(value):
-            parts += _objects(value, name, seen, _DEPTH)
+    if not read:
+        return []
+    parts = [replace(_dict_part("global", namespace, read, sized=False), variables=True)]
+    for name in read:
+        parts += _held(namespace[name], name, walk)
     return parts
+
+
+def _forward(fn: Any, owner: torch.nn.Module) -> types.FunctionType | None:
+    """The code of a module target's own forward (a bound ``model.forward`` or the class's)."""
+    code = getattr(fn, "__func__", None) if getattr(fn, "__self__", None) is owner else None
+    code = code or getattr(type(owner), "forward", None)
+    return code if isinstance(code, types.FunctionType) else None
 
 
 def _global_hooks() -> list[Part]:
@@ -305,16 +363,19 @@ def _filled(cell: Any) -> bool:
 
 def _carries_attributes(value: Any) -> bool:
     """A plain object with attributes of its own (a config, a namespace), not code or a module."""
-    return value is not None and not isinstance(value, _CODE + _CONTAINERS) and not callable(value) \
+    return value is not None and not isinstance(value, _CODE + _CONTAINERS + _INERT) and not callable(value) \
         and isinstance(getattr(value, "__dict__", None), dict)
 
 
-def _frozen(value: Any) -> Any:
-    """What to keep of ``value``: a shallow copy of a small container (it may change in place)."""
-    if type(value) in (dict, list, set) or isinstance(value, dict):
-        if len(value) <= _COPIED:
-            return dict(value) if isinstance(value, dict) else type(value)(value)
-    return value
+def _frozen(value: Any, depth: int = 3) -> Any:
+    """What to keep of ``value``: a copy of a small container, ``depth`` levels down (it may
+    change in place); a tuple only when something in it was copied."""
+    if depth == 0 or not isinstance(value, (dict, list, set, tuple)) or len(value) > _COPIED:
+        return value
+    if isinstance(value, dict):
+        return {k: _frozen(v, depth - 1) for k, v in value.items()}
+    copied = type(value)(_frozen(v, depth - 1) for v in value) if type(value) in (list, set, tuple) else value
+    return value if type(value) is tuple and all(a is b for a, b in zip(copied, value)) else copied
 
 
 # ------------------------------------------------------------------------------------- comparing

@@ -25,6 +25,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from clika_runtime import pystate
+
 _version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr
 # Bumped by torch whenever any module registers a parameter, buffer or submodule (assignment included).
@@ -160,6 +162,7 @@ def bake(
     seen: the owner's attribute path, or the closure cell / global that held it.
     """
     closures = _closure_places(target)
+    reached = _reached_tensors(target, owner) if constants else {}
     baked = []
     for name, tensor in {**state, **constants}.items():
         lookup = _module_lookup(owner, name) if owner is not None else None
@@ -168,9 +171,27 @@ def bake(
         elif id(tensor) in closures:
             where, lookup = closures[id(tensor)]
             baked.append(Baked.of(where, tensor, lookup, rebinds=True))
+        elif _layout(tensor) in reached:  # the exporter's own tensor over a module's memory: watch the module's
+            where, live, lookup = reached[_layout(tensor)]
+            baked.append(Baked.of(where, live, lookup))
         else:
             baked.append(Baked.of(name, tensor, None))
     return baked
+
+
+def _reached_tensors(target: Any, owner: torch.nn.Module | None) -> dict[tuple, tuple[str, torch.Tensor, Any]]:
+    """The parameters and buffers of modules the target reaches outside its owner's registered
+    tree (a model in a closure, a global, a partial, an object's attribute, a plain list), by
+    memory layout: torch.export bakes them as constants of its own that share their memory."""
+    found: dict[tuple, tuple[str, torch.Tensor, Any]] = {}
+    for where, module in pystate.modules_reached(target, owner):
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            found.setdefault(_layout(tensor), (f"{where}.{name}", tensor, _module_lookup(module, name)))
+    return found
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
 def found_again(recorded: Sequence[tuple[str, str]], owner: torch.nn.Module | None, target: Any) -> list[Baked] | None:

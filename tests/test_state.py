@@ -4,6 +4,7 @@ re-captures (and says which), and when none does, no call pays for a capture."""
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -328,3 +329,96 @@ def test_trap_state_the_target_reads_and_writes_is_never_served():
         calls = model.calls
         torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), float(calls + 1)))
     assert f.state is cr.CompiledFunction.State.Fallback
+
+
+# ------------------------------------------------------------------ modules reached by functions
+
+
+def _linear() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4).eval()
+
+
+class Pipeline:
+    """A plain object holding a model, called like one (a common serving wrapper)."""
+
+    def __init__(self) -> None:
+        self.model = _linear()
+
+    def __call__(self, x):
+        return self.model(x)
+
+
+class Listed(torch.nn.Module):
+    """A layer kept in a plain list: not registered, so torch.export bakes it as constants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = [_linear()]
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def _reached_targets():
+    model = _linear()
+    pipeline = Pipeline()
+    listed = Listed().eval()
+    return [
+        (lambda x: model(x), model),
+        (functools.partial(model), model),
+        (pipeline, pipeline.model),
+        (listed, listed.layers[0]),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4), ids=["lambda", "partial", "callable-object", "plain-list"])
+def test_trap_weights_of_a_model_the_target_reaches_are_watched(index):
+    target, model = _reached_targets()[index]
+    f = cr.compile(target)
+    x = torch.ones(1, 4)
+    with torch.no_grad():
+        f(x)
+        model.load_state_dict({k: v * 3 + 1 for k, v in model.state_dict().items()})
+        torch.testing.assert_close(f(x), model(x))
+    assert f.recapture_count == 1 and "weights changed" in f.recapture_reasons[0]
+
+
+def test_trap_a_submodule_deleted_from_a_container_is_seen():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)).eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        f(x)
+        del model[1]
+        torch.testing.assert_close(f(x), model(x))
+    assert "submodules of the module" in f.recapture_reasons[0]
+
+
+def test_trap_nested_containers_partials_and_a_functions_own_classes_are_followed():
+    flags = {"head": {"negate": False}}
+    f = cr.compile(functools.partial(lambda x, k: -x * k if flags["head"]["negate"] else x * k, k=2.0))
+    x = torch.ones(3)
+    f(x)
+    flags["head"]["negate"] = True  # one level down
+    torch.testing.assert_close(f(x), -x * 2)
+    f.__wrapped__.keywords["k"] = 5.0  # a partial's keyword
+    torch.testing.assert_close(f(x), -x * 5)
+    assert f.recapture_count == 2
+
+
+def test_loggers_a_function_names_are_not_state():
+    import logging
+
+    log = logging.getLogger("clika_runtime_test_inert")
+
+    def target(x):
+        log.debug("called")
+        return x + 1
+
+    f = cr.compile(target)
+    f(torch.ones(2))
+    log.setLevel(logging.INFO)
+    log.addHandler(logging.NullHandler())
+    f(torch.ones(2))
+    assert f.recapture_count == 0
