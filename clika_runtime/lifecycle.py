@@ -16,6 +16,8 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable
 
+import torch
+
 from clika_runtime import degrade, hints, kvcache, memory, pystate, restore, trees
 from clika_runtime.capture import Capture
 from clika_runtime.config import config
@@ -227,6 +229,8 @@ class Lifecycle:
         out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
         if mutated:
             return self._give_up(_mutation(mutated), generation, lambda: out)
+        if _blank(plan.call.feeds):  # zeros agree with either side of a branch: wait for a call that tells
+            return out
         problem = _disagreement(capture, plan.call.feeds, out)
         with self.lock:
             table = self.table
@@ -280,6 +284,13 @@ def _disagreement(capture: Capture, feeds: Any, out: Any) -> str | None:
         return first_mismatch(trees.output_names(out, eager), eager, served)
     except Exception as error:  # onnxruntime refuses the graph at these sizes
         return hints.first_line(error)
+
+
+def _blank(feeds: Any) -> bool:
+    """Every fed tensor is all zeros (a warm-up call, a blank frame): agreeing with eager on it
+    says little about the other inputs of its sizes."""
+    tensors = [t for t in feeds if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.numel() and not t.any() for t in tensors)  # empty: its shape tells
 
 
 def _listed(items: list[Any], word: Callable[[Any], str]) -> str:

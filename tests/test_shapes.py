@@ -286,3 +286,21 @@ def test_axes_the_exporter_cannot_make_dynamic_are_captured_static_with_the_reas
     assert f.state is State.Compiled
     assert any("could not be exported dynamic" in n and "captured them static" in n for n in f.capture_notes)
     assert f.take_graph().dynamic_axes.get("q", {}) == {}
+
+
+class _SingleSampleFastPath(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if x.shape[0] == 1 else x * 3
+
+
+def test_trap_an_all_zero_call_does_not_verify_a_flipped_branch():
+    # Zeros agree with both sides: recorded as verified, later size-1 calls got the other branch.
+    model = _SingleSampleFastPath().eval()
+    f = cr.compile(model)
+    with torch.no_grad():
+        for batch in (4, 5, 6):
+            f(torch.ones(batch, 2))
+        torch.testing.assert_close(f(torch.zeros(1, 2)), torch.zeros(1, 2))  # a warm-up frame
+        for _ in range(2):
+            torch.testing.assert_close(f(torch.ones(1, 2)), torch.full((1, 2), 2.0))
+        torch.testing.assert_close(f(torch.ones(7, 2)), torch.full((7, 2), 3.0))
