@@ -206,6 +206,8 @@ def test_a_hot_loop_over_unchanged_state_never_recaptures():
         for _ in range(20):
             f(x)
     assert f.recapture_count == 0 and model._calls == calls
+    table = f._lifecycle.table  # the hot path's check and the snapshot's own agree (hooks made by the trace)
+    assert table.fresh() and table.snapshot.fresh() and table.snapshot.changed() == []
 
 
 def test_trap_hf_config_flag_set_after_capture_is_followed():
