@@ -30,6 +30,7 @@ import functools
 import operator
 import types
 import logging
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
@@ -47,7 +48,9 @@ _contents = operator.attrgetter("cell_contents")
 _CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
          functools.partial, torch.nn.Module, torch.Tensor)
 _CONTAINERS = (dict, list, tuple, set, frozenset, str, bytes)
-_INERT = (logging.Logger, logging.LoggerAdapter)  # their state never changes what a graph computes
+# Loggers and threads' synchronisation objects: their state is not a value a graph is traced with.
+_INERT = (logging.Logger, logging.LoggerAdapter, threading.Event, threading.Condition, threading.Semaphore,
+          threading.Barrier, threading.Thread)
 _CONTAINER_MODULES = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
