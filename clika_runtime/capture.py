@@ -138,8 +138,9 @@ def _build(
     names = output_names_of(eager_out, eager_leaves, output_names)
     trace = _tracer(plan, target, forms)
     started = time.perf_counter()
-    with exporting():
+    with exporting():  # also while looking up the baked tensors: no other export swaps them for fakes
         exported = _export(plan, trace, names, eager_leaves, graph_name, output_axes, optimize, owner)
+        baked = tuple(bake(exported.state, exported.constants_read, owner, target))
     phases["export"] = time.perf_counter() - started
     guard = _guard(plan, exported, list(call.feeds), place)
     scalar_out = {pos: type(eager_leaves[pos]) for pos in exported.graph_leaves if type(eager_leaves[pos]) in _SCALARS}
@@ -150,7 +151,7 @@ def _build(
     exporters.save(exported, str(folder.model), metadata_entries, graph_mod.EXTERNAL_ABOVE)
     phases["save"] = time.perf_counter() - started
     made = Made(plan, eager_out, folder, guard, list(exported.graph_leaves), dict(exported.constants), scalar_out,
-                names, tuple(bake(exported.state, exported.constants_read, owner, target)), outputs, phases)
+                names, baked, outputs, phases)
     return assemble(made, place, optimize, owner, keep_optimized=work_dir is not None)
 
 

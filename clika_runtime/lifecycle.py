@@ -18,16 +18,17 @@ from typing import Any, Callable
 
 import torch
 
-from clika_runtime import degrade, hints, kvcache, memory, pystate, restore, trees
+from clika_runtime import degrade, hints, kvcache, memory, restore, staleness, trees
 from clika_runtime.capture import Capture
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError, VerificationError
 from clika_runtime.hits import RunFailed
 from clika_runtime.key import CallKey, Unkeyable
+from clika_runtime.pystate import Snapshot
 from clika_runtime.planning import Call, CapturePlan, Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget
 from clika_runtime.sharing import TARGETS
 from clika_runtime.table import (
-    CacheTable, Knowledge, State, fallen_back, fresh, rewatched, with_capture, with_replaced, without,
+    CacheTable, Knowledge, State, fallen_back, fresh, with_capture, with_replaced, without,
 )
 from clika_runtime.target import Target
 from clika_runtime.verify import first_mismatch
@@ -105,7 +106,7 @@ class Lifecycle:
             return Eager(), None, table.generation
         kvcache.register()  # KV-cache classes flatten through their adapter (before torch's registry is mirrored)
         trees.sync_registry()  # node types registered since the last miss flatten from now on
-        table = self._stale_checked(table)
+        table = self.table = staleness.checked(table, self.target)
         target = self.target
         try:
             call = Call(target.forms, args, kwargs, target.owner, table.knowledge, target.options)
@@ -122,39 +123,6 @@ class Lifecycle:
             self._inflight.add(token)
         return decision, call, table.generation
 
-    def _stale_checked(self, table: CacheTable) -> CacheTable:
-        """The table without captures whose baked tensors or Python state changed (the next
-        capture says which)."""
-        if not table.captures or table.fresh():
-            return table
-        with TARGETS.shared():  # looking in the module: not while an export elsewhere swaps its parameters
-            registered = not table.watch.fresh()  # a registration (a submodule assigned?) or weights moved
-            if registered:
-                table = self._weights_checked(table)
-            if table.captures and (registered or not table.snapshot.fresh()):
-                table = self._state_checked(table)
-        self.table = table
-        return table
-
-    def _weights_checked(self, table: CacheTable) -> CacheTable:
-        changed = [b for b in table.watch.baked if b.changed()]
-        if not changed:  # a registration elsewhere: nothing baked moved
-            return rewatched(table)
-        moved = {id(b.tensor) for b in changed}
-        stale = [c for c in table.captures if any(id(b.tensor) in moved for b in c.baked)]
-        return without(table, stale, pending=f"weights changed: {_listed(changed, lambda b: repr(b.name))}")
-
-    def _state_checked(self, table: CacheTable) -> CacheTable:
-        changed = table.snapshot.changed()
-        if not changed:  # what moved is nothing a capture read (a private attribute, a train()/eval())
-            return rewatched(table, self._snapshot())
-        return without(table, table.captures, pending=f"state changed: {_listed(changed, str)}")
-
-    def _snapshot(self, written: frozenset[tuple[str, str]] = frozenset()) -> pystate.Snapshot:
-        """The Python state the target reads now, but what it writes itself (the caller holds
-        ``TARGETS`` shared)."""
-        return pystate.Snapshot.of(self.target.fn, self.target.owner, self.table.written | written)
-
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
             out = capture.run(call.feeds)
@@ -167,7 +135,7 @@ class Lifecycle:
     def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, eager: Any = None) -> Any:
         """Capture ``plan`` from its call (``eager``: its result when already in hand, as a 1-tuple)."""
         with TARGETS.shared():
-            before = self._snapshot()  # to tell what the target writes itself
+            before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
         if eager is None:
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
             if mutated:
@@ -178,16 +146,16 @@ class Lifecycle:
             written = before.moved()  # by this call's eager run: outputs of the target, not inputs
             # The state the trace starts from: a change another thread makes while it runs is a
             # change the next call sees (taken after the trace, it would be baked unseen).
-            snapshot = self._snapshot(written)
+            snapshot = staleness.snapshot(self.target, self.table.written | written)
         plan = kvcache.planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
         try:
             attempt = degrade.build(self.target, plan, out)
         except CaptureError as error:
-            why = f" (the target writes {_listed(sorted(written), _entry)} itself, which a graph cannot)" \
+            why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
                 if written and isinstance(error, VerificationError) else ""
             return self._give_up(f"capture failed: {error}{why}", generation, lambda: out)
         if written:
-            attempt.notes.append(f"{_listed(sorted(written), _entry)} written by the target itself: not watched, "
+            attempt.notes.append(f"{staleness.words(written)} written by the target itself: not watched, "
                                  "and served calls do not write it")
         with self.lock:
             held = len(self.table.captures)
@@ -199,8 +167,8 @@ class Lifecycle:
             memory.give_back()
         return out
 
-    def _install(self, attempt: degrade.Attempt, generation: int, snapshot: pystate.Snapshot,
-                 written: frozenset[tuple[str, str]]) -> Knowledge | None:
+    def _install(self, attempt: degrade.Attempt, generation: int, snapshot: Snapshot,
+                 written: staleness.Written) -> Knowledge | None:
         """Swap in the table with the new capture (the caller holds the lock); return what the
         function learned when the capture taught it something new."""
         table, plan, capture = self.table, attempt.plan, attempt.capture
@@ -291,17 +259,6 @@ def _blank(feeds: Any) -> bool:
     says little about the other inputs of its sizes."""
     tensors = [t for t in feeds if isinstance(t, torch.Tensor)]
     return bool(tensors) and all(t.numel() and not t.any() for t in tensors)  # empty: its shape tells
-
-
-def _listed(items: list[Any], word: Callable[[Any], str]) -> str:
-    """The first four of ``items`` in words, and how many more."""
-    return ", ".join(word(i) for i in items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
-
-
-def _entry(pair: tuple[str, str]) -> str:
-    """A ``Snapshot.moved()`` pair in words: ``'last_batch'``, ``'encoder.last_batch'``."""
-    where, key = pair
-    return f"'{key}'" if where == "the module" else f"{where} '{key}'" if " " in where else f"'{where}.{key}'"
 
 
 def _mutation(names: list[str]) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from clika_runtime import capture as capture_mod
 from clika_runtime import diskcache, fingerprint, graphfile, guards, trees
 from clika_runtime.describe import TensorInfo
-from clika_runtime.errors import ClikaError
+from clika_runtime.sharing import TARGETS
 from clika_runtime.graph import GraphFolder
 from clika_runtime.planning import CapturePlan, declared_axes
 from clika_runtime.table import Knowledge
@@ -56,8 +56,8 @@ def restore(slot: Slot, target: Target, plan: CapturePlan, out: Any) -> tuple[ca
         made, used = _made(entry, target, plan, out, slot)
         capture = capture_mod.assemble(made, target.place_for(used.call.feeds), target.optimize, target.owner,
                                        keep_optimized=True)
-    except (ClikaError, KeyError, TypeError, ValueError, OSError) as e:  # stale or foreign: export afresh
-        logger.debug("disk cache: entry %s not used: %s", slot.key, e)
+    except Exception as e:  # stale, foreign or anything unforeseen: a cache entry is never an error
+        logger.debug("disk cache: entry %s not used: %s: %s", slot.key, type(e).__name__, e)
         return None
     logger.info("capture of %s: graph found in the disk cache", target.name)
     return capture, used, entry.meta
@@ -68,7 +68,7 @@ def store(slot: Slot, capture: capture_mod.Capture, plan: CapturePlan, notes: li
     """Keep a new capture for later processes (an unwritable cache is turned off, said once)."""
     parts = capture.parts
     baked = [(b.name, b.kind) for b in capture.baked]
-    if any(kind == "constant" for _, kind in baked):
+    if any(kind in ("constant", "reached") for _, kind in baked):
         return  # a tensor it baked cannot be found again by name: a later process could not watch it
     meta = {
         "graph_name": graph_name, "model": GraphFolder.MODEL, "names": list(capture.names),
@@ -97,7 +97,8 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
     problem = guard.check(call.feeds)
     if problem is not None:
         raise ValueError(f"its guard refuses this call: {problem}")
-    baked = found_again([tuple(b) for b in meta["baked"]], target.owner, target.fn)
+    with TARGETS.shared():  # looking in the module: not while an export elsewhere swaps its tensors for fakes
+        baked = found_again([tuple(b) for b in meta["baked"]], target.owner, target.fn)
     if baked is None:
         raise ValueError("a tensor it baked is not found in this process")
     leaves = trees.flatten(out)[0]

@@ -64,16 +64,21 @@ class Baked:
     pointer: int
     lookup: Callable[[], Any] | None  # where the target finds it now (None: nowhere to look again)
     rebinds: bool = False  # found in a closure cell or global: checked on every call, not on registrations
+    reached: bool = False  # a module the target reaches outside its owner holds it (a model a lambda calls)
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor, lookup: Callable[[], Any] | None, rebinds: bool = False) -> "Baked":
+    def of(cls, name: str, tensor: torch.Tensor, lookup: Callable[[], Any] | None, rebinds: bool = False,
+           reached: bool = False) -> "Baked":
         """Record ``tensor`` as it is now."""
-        return cls(name, tensor, tensor.detach(), _version_of(tensor), tensor.data_ptr(), lookup, rebinds)
+        return cls(name, tensor, tensor.detach(), _version_of(tensor), tensor.data_ptr(), lookup, rebinds, reached)
 
     @property
     def kind(self) -> str:
-        """Where the tensor is found: ``"module"``, ``"closure"`` or ``"constant"`` (nowhere to look)."""
-        return "closure" if self.rebinds else "module" if self.lookup is not None else "constant"
+        """Where the tensor is found: ``"module"``, ``"closure"``, ``"reached"`` (a module found
+        through the target's variables) or ``"constant"`` (nowhere to look)."""
+        if self.rebinds or self.reached:
+            return "closure" if self.rebinds else "reached"
+        return "module" if self.lookup is not None else "constant"
 
     def changed(self) -> bool:
         """Whether the target would now read something else than what the graph baked."""
@@ -173,7 +178,7 @@ def bake(
             baked.append(Baked.of(where, tensor, lookup, rebinds=True))
         elif _layout(tensor) in reached:  # the exporter's own tensor over a module's memory: watch the module's
             where, live, lookup = reached[_layout(tensor)]
-            baked.append(Baked.of(where, live, lookup))
+            baked.append(Baked.of(where, live, lookup, reached=True))
         else:
             baked.append(Baked.of(name, tensor, None))
     return baked

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import clika_runtime as cr
+from clika_runtime.sharing import TARGETS
 from conftest import current
 
 State = cr.CompiledFunction.State
@@ -206,7 +207,9 @@ def test_stress_hits_drifts_resets_takes_and_weight_updates_never_serve_a_wrong_
 
                 def call():
                     with torch.no_grad():
-                        return f(x), twin(x)
+                        got = f(x)
+                        with TARGETS.shared():  # torch.export patches module calls process-wide while it traces
+                            return got, twin(x)
 
                 got, expected = weights.read(call)
                 if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
