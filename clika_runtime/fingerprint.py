@@ -136,12 +136,15 @@ def _module(module: torch.nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}[{_function(cls.forward)}]({','.join(attributes)})"
 
 
-def _plain(value: Any) -> str:
-    """A stable text of an attribute's value (configs by their dict; objects by their type)."""
+def _plain(value: Any, depth: int = 4) -> str:
+    """A stable text of an attribute's value (configs by their dict; objects by their type;
+    containers ``depth`` levels down, then by their length)."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return repr(value)
     if isinstance(value, (tuple, list)):
-        return "[" + ",".join(_plain(v) for v in value) + "]"
+        if depth == 0:
+            return f"{type(value).__qualname__}[{len(value)}]"
+        return "[" + ",".join(_plain(v, depth - 1) for v in value) + "]"
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):
         try:

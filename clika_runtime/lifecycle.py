@@ -174,12 +174,13 @@ class Lifecycle:
         table, plan, capture = self.table, attempt.plan, attempt.capture
         if table.generation != generation or table.state is State.Fallback:
             return None  # reset() or a failure elsewhere since this capture began: it serves nothing
+        with TARGETS.shared():
+            if any(b.changed() for b in capture.baked):  # weights re-assigned while it was being made
+                return None  # (the watch counts registrations from now on): the next call captures again
+            moved = table.snapshot.moved() - table.written - written if table.captures else ()
         table = replace(table, written=table.written | written)
-        if table.captures and not table.snapshot.fresh():
-            with TARGETS.shared():
-                moved = table.snapshot.moved() - table.written
-            if moved:  # the state moved since the other captures were made (not by the target itself)
-                table = without(table, table.captures, pending=None)
+        if moved:  # the state moved since the other captures were made (not by the target itself)
+            table = without(table, table.captures, pending=None)
         knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
                             unliftable=attempt.unliftable)
         superseded = [c for c in plan.replaces if _covers(capture, c)]

@@ -26,6 +26,7 @@ of the call (``autocast_off``): under it calls run eagerly.
 
 from __future__ import annotations
 
+import dis
 import functools
 import operator
 import types
@@ -79,6 +80,7 @@ class Snapshot:
         # Captures are keyed by the root's training flag: ``model.train()`` / ``.eval()`` switching
         # every module at once is not a change of state, one submodule switched alone is.
         self.uniform = root is not None and _uniform(root)
+        self._own = {id(vars(m)) for m in root.modules()} if root is not None else set()  # the key's modules
         self.fresh: Callable[[], bool] = self.check(_always, modes=False) if self.parts else _always
 
     def check(self, weights: Callable[[], bool], modes: bool = True) -> Callable[[], bool]:
@@ -110,8 +112,9 @@ class Snapshot:
     def changed(self) -> list[str]:
         """What differs from the snapshot, in words (empty: nothing a call reads)."""
         switched = self.uniform and _uniform(self.root)  # a whole-model train()/eval(): the key has it
-        words = [_word(part, key) for part in self.parts for key in _differences(part)]
-        return [word for word in words if not (switched and _is_training(word))]
+        words = [_word(part, key) for part in self.parts for key in _differences(part)
+                 if not (switched and key == "training" and id(part.container) in self._own)]
+        return list(dict.fromkeys(words))  # a container's children are watched twice: said once
 
     def moved(self) -> frozenset[tuple[str, str]]:
         """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of
@@ -145,10 +148,6 @@ def _always() -> bool:
 
 def _never() -> bool:
     return False
-
-
-def _is_training(word: str) -> bool:
-    return word == "'training'" or word.endswith(".training'")
 
 
 def _uniform(root: torch.nn.Module) -> bool:
@@ -196,16 +195,23 @@ class _Walk:
 
 def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]:
     """What a value the target reads holds that may change: a module's tree, an object's
-    attributes, and those of the modules and objects in a small container."""
-    if isinstance(value, torch.nn.Module):
-        if id(value) in walk.seen:
-            return []
-        walk.reached.append((name, value))
-        return _module_tree(value, name, walk)
-    if type(value) in (list, tuple, dict) and len(value) <= _COPIED:
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        return [part for key, item in items for part in _held(item, f"{name}.{key}", walk, depth)]
-    return _objects(value, name, walk, depth) if _carries_attributes(value) else []
+    attributes, and those of the modules and objects in a small container. A value that cannot
+    be walked (its attributes raise) is watched by identity only, where its holder is."""
+    try:
+        if isinstance(value, torch.nn.Module):
+            if id(value) in walk.seen:
+                return []
+            walk.reached.append((name, value))
+            return _module_tree(value, name, walk)
+        if type(value) in (list, tuple, dict) and len(value) <= _COPIED:
+            if depth == 0 or id(value) in walk.seen:  # bounded, and a container holding itself ends
+                return []
+            walk.seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            return [part for key, item in items for part in _held(item, f"{name}.{key}", walk, depth - 1)]
+        return _objects(value, name, walk, depth) if _carries_attributes(value) else []
+    except Exception:  # a property that raises, a recursion too deep: not watched
+        return []
 
 
 def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
@@ -218,11 +224,11 @@ def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
         keys = [k for k in state if not k.startswith("_")]
         where = name or "the module"
         parts.append(_dict_part(where, state, keys, sized=True))
-        parts.append(replace(_dict_part(where, state, [k for k in _MODULE_PRIVATE if k in state], sized=False),
-                             per_call=False))
+        parts.append(replace(_dict_part(where, state, [k for k in _MODULE_PRIVATE if k in state], sized=False,
+                                        whole=True), per_call=False))
         parts += [_sized(where, state[k]) for k in _MODULE_PRIVATE[1:] if state.get(k)]  # a hook removed
         if isinstance(module, _CONTAINER_MODULES):  # their forward iterates their children: a deletion shows
-            parts.append(_dict_part(where, state, ["_modules"], sized=False))
+            parts.append(_dict_part(where, state, ["_modules"], sized=False, whole=True))
         for key in keys:
             parts += _held(state[key], f"{where}.{key}" if name else key, walk)
     return parts
@@ -281,19 +287,23 @@ def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
                   (_frozen(fn.__defaults__), _frozen(fn.__kwdefaults__), fn.__code__), None, variables=True)]
     cells = tuple(c for c in fn.__closure__ or () if _filled(c))
     names = dict(zip((id(c) for c in fn.__closure__ or ()), fn.__code__.co_freevars))
-    if cells:  # one cell is read alone: a getter of one key gives the value itself
-        parts.append(Part("closed-over", cells[0] if len(cells) == 1 else cells, tuple(names[id(c)] for c in cells),
-                          _contents if len(cells) == 1 else _cells, tuple(_frozen(c.cell_contents) for c in cells),
-                          None, variables=True))
+    if cells:
+        parts.append(_cells_part(cells, tuple(names[id(c)] for c in cells)))
     for cell in cells:
         parts += _held(cell.cell_contents, names[id(cell)], walk)
     return parts + _globals(fn, walk)
 
 
+def _cells_part(cells: tuple, names: tuple[str, ...]) -> Part:
+    one = len(cells) == 1  # one cell is read alone: a getter of one key gives the value itself
+    return Part("closed-over", cells[0] if one else cells, names, _contents if one else _cells,
+                tuple(_frozen(c.cell_contents) for c in cells), None, variables=True)
+
+
 def _globals(fn: types.FunctionType, walk: _Walk) -> list[Part]:
     """The globals ``fn``'s code names (modules aside: ``torch``, ``F``) and what they hold."""
     namespace = fn.__globals__
-    read = sorted(k for k in _names(fn.__code__) if k in namespace and not isinstance(namespace[k], types.ModuleType))
+    read = sorted({k for k in global_names(fn.__code__) if k in namespace and not isinstance(namespace[k], types.ModuleType)})
     if not read:
         return []
     parts = [replace(_dict_part("global", namespace, read, sized=False), variables=True)]
@@ -337,8 +347,10 @@ def _sized(name: str, hooks: dict) -> Part:
     return Part(name, hooks, (), None, (), len(hooks), trigger=True)
 
 
-def _dict_part(name: str, state: dict, keys: list[str], *, sized: bool) -> Part:
-    values = tuple(_frozen(state[k]) for k in keys)
+def _dict_part(name: str, state: dict, keys: list[str], *, sized: bool, whole: bool = False) -> Part:
+    """``keys`` of ``state``; ``whole``: their values are dictionaries copied whatever their size
+    (a module's children and hooks: a swap in a 100-layer list must show)."""
+    values = tuple(dict(state[k]) if whole else _frozen(state[k]) for k in keys)
     if not keys:
         return Part(name, state, (), None, (), len(state) if sized else None, frozenset(state))
     return Part(name, state, tuple(keys), operator.itemgetter(*keys), values, len(state) if sized else None,
@@ -349,12 +361,15 @@ def _cells(cells: tuple) -> tuple:
     return tuple(map(_contents, cells))
 
 
-def _names(code: types.CodeType) -> Iterator[str]:
-    """The global names a code object (and the functions it defines) may read."""
-    yield from code.co_names
+def global_names(code: types.CodeType) -> Iterator[str]:
+    """The global names a code object (and the functions it defines) loads; not ``co_names``,
+    which also holds attribute names (``self.out`` would watch a global ``out``)."""
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            yield instruction.argval
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _names(const)
+            yield from global_names(const)
 
 
 def _filled(cell: Any) -> bool:
@@ -373,12 +388,31 @@ def _carries_attributes(value: Any) -> bool:
 
 def _frozen(value: Any, depth: int = 3) -> Any:
     """What to keep of ``value``: a copy of a small container, ``depth`` levels down (it may
-    change in place); a tuple only when something in it was copied."""
-    if depth == 0 or not isinstance(value, (dict, list, set, tuple)) or len(value) > _COPIED:
+    change in place), when it holds at most ``_COPIED`` items in all (compared on every call);
+    a tuple only when something in it was copied."""
+    if depth == 0 or not isinstance(value, (dict, list, set, tuple)) or _items(value, depth) > _COPIED:
+        return value
+    return _copied(value, depth)
+
+
+def _items(value: Any, depth: int) -> int:
+    """How many items ``value`` holds, ``depth`` levels down (counting stops past ``_COPIED``)."""
+    if depth == 0 or not isinstance(value, (dict, list, set, tuple)):
+        return 0
+    total = len(value)
+    for item in value.values() if isinstance(value, dict) else value:
+        if total > _COPIED:
+            break
+        total += _items(item, depth - 1)
+    return total
+
+
+def _copied(value: Any, depth: int) -> Any:
+    if depth == 0 or not isinstance(value, (dict, list, set, tuple)):
         return value
     if isinstance(value, dict):
-        return {k: _frozen(v, depth - 1) for k, v in value.items()}
-    copied = type(value)(_frozen(v, depth - 1) for v in value) if type(value) in (list, set, tuple) else value
+        return {k: _copied(v, depth - 1) for k, v in value.items()}
+    copied = type(value)(_copied(v, depth - 1) for v in value) if type(value) in (list, set, tuple) else value
     return value if type(value) is tuple and all(a is b for a, b in zip(copied, value)) else copied
 
 
@@ -405,9 +439,14 @@ def _without(part: Part, skip: frozenset[tuple[str, str]]) -> Part | None:
     kept = [key for key in part.keys if (part.name, key) not in skip]
     if len(kept) == len(part.keys):
         return part
+    if part.read in (_contents, _cells):  # a closure: its other cells stay watched
+        cells = (part.container,) if len(part.keys) == 1 else part.container
+        pairs = [(cell, key) for cell, key in zip(cells, part.keys) if key in kept]
+        return _cells_part(tuple(c for c, _ in pairs), tuple(k for _, k in pairs)) if pairs else None
     if not isinstance(part.container, dict):
         return None
-    fewer = _dict_part(part.name, part.container, kept, sized=part.size is not None)
+    fewer = _dict_part(part.name, part.container, kept, sized=part.size is not None,
+                       whole=any(k in _MODULE_PRIVATE for k in kept))
     return replace(fewer, variables=part.variables, per_call=part.per_call)
 
 

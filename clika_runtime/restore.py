@@ -42,7 +42,11 @@ def slot_for(target: Target, plan: CapturePlan) -> Slot | None:
     cache = diskcache.active()
     if cache is None:
         return None
-    function = fingerprint.function_key(target)
+    try:
+        function = fingerprint.function_key(target)
+    except Exception as e:  # a target the fingerprint cannot read: no cache for it, never an error
+        logger.debug("disk cache: %s not fingerprinted: %s: %s", target.name, type(e).__name__, e)
+        return None
     return Slot(cache, fingerprint.capture_key(function, plan, target.place_for(plan.call.feeds).primary))
 
 
@@ -137,7 +141,11 @@ def remember(target: Target, knowledge: Knowledge) -> None:
 def recall(target: Target) -> Knowledge | None:
     """What an earlier process learned about this function, or ``None``."""
     cache = diskcache.active()
-    data = cache.knowledge(fingerprint.function_key(target)) if cache is not None else None
+    try:
+        data = cache.knowledge(fingerprint.function_key(target)) if cache is not None else None
+    except Exception as e:  # a target the fingerprint cannot read: no cache for it, never an error
+        logger.debug("disk cache: %s not fingerprinted: %s: %s", target.name, type(e).__name__, e)
+        return None
     if not data:
         return None
     try:

@@ -257,7 +257,7 @@ def _closure_places(target: Any) -> dict[int, tuple[str, Callable[[], Any]]]:
         if isinstance(value, torch.Tensor):
             places[id(value)] = (name, lambda cell=cell: cell.cell_contents)
     namespace = getattr(fn, "__globals__", {})
-    for name in code.co_names:
+    for name in set(pystate.global_names(code)):
         value = namespace.get(name)
         if isinstance(value, torch.Tensor):
             places.setdefault(id(value), (name, lambda name=name: namespace[name]))

@@ -424,3 +424,106 @@ def test_loggers_a_function_names_are_not_state():
     log.addHandler(logging.NullHandler())
     f(torch.ones(2))
     assert f.recapture_count == 0
+
+
+# ------------------------------------------------------------------ found in review
+
+
+class _Aux(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if self.training else x
+
+
+AUX = _Aux()  # a module the target reaches through a global, in training mode
+
+
+class _UsesAux(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(4, 4)  # "out" is an attribute name, not the global below
+
+    def forward(self, x):
+        return AUX(self.out(x))
+
+
+def test_trap_a_reached_module_switched_alone_is_a_change_even_when_the_model_is_uniform():
+    model = _UsesAux().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    AUX.train()
+    try:
+        with torch.no_grad():
+            f(x)
+            AUX.eval()
+            torch.testing.assert_close(f(x), model(x))
+    finally:
+        AUX.train()
+    assert f.recapture_reasons == ["state changed: 'AUX.training'"]
+
+
+def test_a_global_named_like_an_attribute_the_forward_reads_is_not_watched():
+    global out
+    model = _UsesAux().eval()
+    f = cr.compile(model)
+    with torch.no_grad():
+        for i in range(4):
+            out = f(torch.randn(2, 4))  # a script's loop rebinding a global called like self.out
+    assert f.recapture_count == 0
+
+
+def test_trap_a_swap_in_a_long_module_list_is_seen():
+    model = torch.nn.Sequential(*[torch.nn.ReLU() for _ in range(70)])
+    f = cr.compile(model)
+    x = torch.randn(3)
+    f(x)
+    model[1] = torch.nn.Tanh()  # no parameters: only the list of children moved
+    torch.testing.assert_close(f(x), model(x))
+    assert f.recapture_count == 1
+
+
+def test_a_closure_that_writes_one_variable_keeps_the_others_watched():
+    calls, scale = 0, 2.0
+
+    def target(x):
+        nonlocal calls
+        calls += 1
+        return x * scale
+
+    f = cr.compile(target)
+    x = torch.ones(3)
+    f(x)
+    scale = 5.0
+    torch.testing.assert_close(f(x), x * 5)
+    assert f.recapture_reasons == ["state changed: closed-over 'scale'"]
+
+
+class _Odd(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        chain: tuple = ()
+        for i in range(3000):
+            chain = (i, chain)
+        self.chain = chain  # deeper than any walk
+        self.registry: dict = {}
+        self.registry["all"] = self.registry  # holds itself
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_attributes_too_deep_to_walk_never_reach_the_caller():
+    model = _Odd().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad(), pytest.warns(UserWarning, match="serves eagerly"):  # torch.export cannot either
+        for _ in range(2):
+            torch.testing.assert_close(f(x), model(x))
+
+
+def test_big_nested_containers_are_watched_by_identity_not_copied():
+    cube = [[[0] * 64 for _ in range(64)] for _ in range(64)]
+    small = {"a": [1, 2], "b": {"c": 3}}
+    assert pystate._frozen(cube) is cube
+    copy = pystate._frozen(small)
+    assert copy == small and copy is not small and copy["b"] is not small["b"]
