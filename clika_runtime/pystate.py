@@ -116,6 +116,21 @@ class Snapshot:
                  if not (switched and key == "training" and id(part.container) in self._own)]
         return list(dict.fromkeys(words))  # a container's children are watched twice: said once
 
+    def retriggered(self) -> "Snapshot | None":
+        """After torch's count of hook handles moved (a hook made anywhere in the process): the
+        same snapshot at the new count when no watched module's hooks or children moved and the
+        rest is as it was; ``None`` when something else may have moved (compare everything)."""
+        if any(_differences(p) for p in self.parts if not p.per_call and not p.trigger):
+            return None
+        again = Snapshot([_reread(p) if p.trigger else p for p in self.parts], self.root)
+        return again if again.fresh() else None
+
+    def refreshed(self) -> "Snapshot":
+        """The same watch over the values as they are now: after ``changed()`` found nothing a
+        call reads (a hook made and removed elsewhere, an equal value re-assigned), without
+        walking the target again."""
+        return Snapshot([_reread(part) for part in self.parts], self.root)
+
     def moved(self) -> frozenset[tuple[str, str]]:
         """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of
         the target, what the target writes itself (``self.last_batch = ...``)."""
@@ -432,6 +447,17 @@ def _differences(part: Part) -> list[str]:
     if part.size is not None and len(part.container) != part.size:
         found += [key for key in part.container if key not in part.known and not key.startswith("_")]
     return found
+
+
+def _reread(part: Part) -> Part:
+    """``part`` with its values, size and keys as they are now."""
+    now = part.read(part.container) if part.read is not None else ()
+    now = (now,) if len(part.keys) == 1 else tuple(now)
+    whole = bool(part.keys) and all(k in _MODULE_PRIVATE for k in part.keys)
+    container = part.container
+    return replace(part, values=tuple(dict(v) if whole else _frozen(v) for v in now),
+                   size=len(container) if part.size is not None else None,
+                   known=frozenset(container) if isinstance(container, dict) else part.known)
 
 
 def _without(part: Part, skip: frozenset[tuple[str, str]]) -> Part | None:

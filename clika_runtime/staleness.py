@@ -53,9 +53,15 @@ def _weights_checked(table: CacheTable) -> CacheTable:
 
 
 def _state_checked(table: CacheTable, target: Target) -> CacheTable:
+    again = table.snapshot.retriggered()  # the common case: a hook made elsewhere, looked at cheaply
+    if again is not None:
+        return rewatched(table, again)
     changed = table.snapshot.changed()
-    if not changed:  # what moved is nothing a capture read (a private attribute, a train()/eval())
-        return rewatched(table, snapshot(target, table.written))
+    if not changed:  # what moved is nothing a capture read (a hook made elsewhere, a train()/eval())
+        try:
+            return rewatched(table, table.snapshot.refreshed())
+        except Exception:  # an entry went away since: walk the target again
+            return rewatched(table, snapshot(target, table.written))
     return without(table, table.captures, pending=f"state changed: {_listed(changed, str)}")
 
 

@@ -527,3 +527,14 @@ def test_big_nested_containers_are_watched_by_identity_not_copied():
     assert pystate._frozen(cube) is cube
     copy = pystate._frozen(small)
     assert copy == small and copy is not small and copy["b"] is not small["b"]
+
+
+def test_a_hook_made_elsewhere_costs_one_look_and_no_capture():
+    model, f, x = _knobs()
+    other = torch.zeros(3, requires_grad=True)
+    with torch.no_grad():
+        for _ in range(3):
+            other.register_hook(lambda grad: grad).remove()  # torch counts every handle made
+            torch.testing.assert_close(f(x), model(x))
+    table = f._lifecycle.table
+    assert f.recapture_count == 0 and table.fresh() and table.snapshot.changed() == []
