@@ -154,6 +154,11 @@ class Lifecycle:
             why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
                 if written and isinstance(error, VerificationError) else ""
             return self._give_up(f"capture failed: {error}{why}", generation, lambda: out)
+        unseen = [b.name for b in attempt.capture.baked if b.version is None]
+        if unseen:
+            what = "is an inference tensor" if len(unseen) == 1 else "are inference tensors"
+            attempt.notes.append(f"{staleness.listed(unseen, repr)} {what} (made under torch.inference_mode()): "
+                                 "in-place updates to it cannot be seen; call f.reset() after one")
         if written:
             attempt.notes.append(f"{staleness.words(written)} written by the target itself: not watched, "
                                  "and served calls do not write it")

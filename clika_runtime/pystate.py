@@ -12,8 +12,9 @@ The per-call check is one C-level getter per watched dictionary whose result is 
 the snapshot (identity first, so an unchanged object is never compared by value), dictionaries'
 lengths (an added attribute), and torch's count of hook handles ever made (a hook added anywhere).
 Submodules are compared when torch's registration counter moves (``weights.py`` watches it) and
-hooks when the handle count does: then ``changed()`` compares everything. Containers are
-snapshotted by a shallow copy (up to ``_COPIED`` items; past that, by identity).
+hooks when the handle count does (then only they are compared when nothing else moved).
+Containers are snapshotted by a copy three levels deep when they hold up to ``_COPIED`` items in
+all; past that, by identity. Values compare by ``==``: ``2`` re-assigned as ``2.0`` is no change.
 
 Watched: every module of the owner (its public attributes, ``_modules``, forward hooks), objects
 those attributes hold that carry attributes of their own (configs; two levels), torch's global
@@ -92,7 +93,7 @@ class Snapshot:
     def of(cls, fn: Any, owner: torch.nn.Module | None, skip: frozenset[tuple[str, str]] = frozenset()) -> "Snapshot":
         """The state ``fn`` (whose weights ``owner`` holds, if a module) reads now, but the
         entries in ``skip`` (``moved()`` pairs: what the target writes itself)."""
-        parts, walk = cls._parts(fn, owner)
+        parts, _ = cls._parts(fn, owner)
         kept = [_without(part, skip) for part in parts] if skip else parts
         return cls([part for part in kept if part is not None], owner)
 

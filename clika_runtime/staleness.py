@@ -40,7 +40,7 @@ def snapshot(target: Target, written: Written) -> pystate.Snapshot:
 
 def words(written: Written) -> str:
     """Entries the target writes, in words: ``'last_batch'``, ``'encoder.last_batch'``."""
-    return _listed(sorted(written), _entry)
+    return listed(sorted(written), _entry)
 
 
 def _weights_checked(table: CacheTable) -> CacheTable:
@@ -49,7 +49,7 @@ def _weights_checked(table: CacheTable) -> CacheTable:
         return rewatched(table)
     moved = {id(b.tensor) for b in changed}
     stale = [c for c in table.captures if any(id(b.tensor) in moved for b in c.baked)]
-    return without(table, stale, pending=f"weights changed: {_listed(changed, lambda b: repr(b.name))}")
+    return without(table, stale, pending=f"weights changed: {listed(changed, lambda b: repr(b.name))}")
 
 
 def _state_checked(table: CacheTable, target: Target) -> CacheTable:
@@ -62,7 +62,7 @@ def _state_checked(table: CacheTable, target: Target) -> CacheTable:
             return rewatched(table, table.snapshot.refreshed())
         except Exception:  # an entry went away since: walk the target again
             return rewatched(table, snapshot(target, table.written))
-    return without(table, table.captures, pending=f"state changed: {_listed(changed, str)}")
+    return without(table, table.captures, pending=f"state changed: {listed(changed, str)}")
 
 
 def _entry(pair: tuple[str, str]) -> str:
@@ -70,6 +70,6 @@ def _entry(pair: tuple[str, str]) -> str:
     return f"'{key}'" if where == "the module" else f"{where} '{key}'" if " " in where else f"'{where}.{key}'"
 
 
-def _listed(items: list[Any], word: Callable[[Any], str]) -> str:
+def listed(items: list[Any], word: Callable[[Any], str]) -> str:
     """The first four of ``items`` in words, and how many more."""
     return ", ".join(word(i) for i in items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")

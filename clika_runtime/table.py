@@ -147,11 +147,6 @@ def fallen_back(table: CacheTable, why: str) -> CacheTable:
     return _rebuilt(table, {}, flat=None, state=State.Fallback, fallback_why=why)
 
 
-def noted(table: CacheTable, note: str) -> CacheTable:
-    """``table`` with one more capture note."""
-    return replace(table, notes=table.notes + (note,))
-
-
 def _rebuilt(table: CacheTable, entries: dict, **changes: Any) -> CacheTable:
     captures = [c for variants in entries.values() for c in variants]
     watch = Watch([b for c in captures for b in c.baked])

@@ -121,10 +121,6 @@ class Watch:
         """The names of the baked tensors that changed (empty: only an unrelated registration)."""
         return [b.name for b in self.baked if b.changed()]
 
-    @property
-    def inference_tensors(self) -> list[str]:
-        """Baked tensors whose in-place updates cannot be seen (no version counter)."""
-        return [b.name for b in self.baked if b.version is None]
 
 
 def _always() -> bool:
@@ -237,11 +233,6 @@ def closure_tensors(target: Any) -> list[tuple[str, torch.Tensor]]:
 def closure_lookup(target: Any, name: str) -> Callable[[], Any] | None:
     """Where the target's function finds the closed-over tensor ``name`` (``None``: nowhere)."""
     return next((lookup for found, lookup in _closure_places(target).values() if found == name), None)
-
-
-def module_lookup(owner: torch.nn.Module, name: str) -> Callable[[], Any] | None:
-    """Where ``owner`` holds the tensor ``name`` (``"fc.weight"``), ``None`` when it holds none."""
-    return _module_lookup(owner, name)
 
 
 def _closure_places(target: Any) -> dict[int, tuple[str, Callable[[], Any]]]:

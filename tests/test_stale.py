@@ -193,3 +193,11 @@ def test_graphs_from_other_tools_load_without_a_shipped_guard(tmp_path):
     assert served(np.ones((1, 2), np.float32))["b"].shape == (1, 2)
     with pytest.raises(GraphInputError, match=r"input 'a' axis 1: expected size 2, got 3"):
         served(np.ones((1, 3), np.float32))
+
+
+def test_tensors_made_under_inference_mode_are_named_in_a_capture_note():
+    with torch.inference_mode():
+        shift = torch.ones(4)  # keeps no version counter: its in-place updates cannot be seen
+    f = cr.compile(lambda x: x + shift)
+    f(torch.ones(4))
+    assert any("'shift' is an inference tensor" in note for note in f.capture_notes), f.capture_notes
