@@ -11,28 +11,32 @@ moved, for the re-capture's reason.
 The per-call check is one C-level getter per watched dictionary whose result is compared with
 the snapshot (identity first, so an unchanged object is never compared by value), dictionaries'
 lengths (an added attribute), and torch's count of hook handles ever made (a hook added anywhere).
-Submodules are compared when torch's registration counter moves (``weights.py`` watches it) and
-hooks when the handle count does (then only they are compared when nothing else moved).
-Containers are snapshotted by a copy three levels deep when they hold up to ``_COPIED`` items in
-all; past that, by identity. Values compare by ``==``: ``2`` re-assigned as ``2.0`` is no change.
+Other modules' children are compared when torch's registration counter moves (``weights.py``
+watches it) and hooks when the handle count does (then only they are compared when nothing
+else moved). Containers are snapshotted by a copy three levels deep when they hold up to
+``_COPIED`` items in all; past that, by identity. Values compare by ``==``: ``2`` re-assigned as
+``2.0`` is no change.
 
-Watched: every module of the owner (its public attributes, ``_modules``, forward hooks), objects
-those attributes hold that carry attributes of their own (configs; two levels), torch's global
-forward hooks; for a function, its closure cells, the globals its code names, its defaults and
-code, and the module trees among them. Not watched: globals of the functions it calls, objects
-deeper than two levels, private attributes other than those above, grad mode (graphs serve
-inference; see README). torch's default dtype is watched here; autocast is not state but a mode
-of the call (``autocast_off``): under it calls run eagerly.
+Watched: every module of the owner (its public attributes, ``_modules``, forward hooks; the
+children of ``Sequential`` / ``ModuleList`` / ``ModuleDict`` on every call), the globals its
+``forward`` names, objects those attributes hold that carry attributes of their own (configs,
+private attributes included; two levels), torch's global forward hooks and default dtype; for a
+function, its closure cells, defaults, code and the globals its code loads, a partial's
+arguments, a bound or callable object's attributes; and the modules found among all those, as
+trees (``modules_reached``: ``weights.py`` watches their tensors). Not watched: modules' private
+attributes, class attributes, imported modules' attributes, globals of the functions the target
+calls, loggers and threading objects, grad mode (graphs serve inference; see README). Autocast
+is not state but a mode of the call (``autocast_off``): under it calls run eagerly.
 """
 
 from __future__ import annotations
 
 import dis
 import functools
-import operator
-import types
 import logging
+import operator
 import threading
+import types
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
