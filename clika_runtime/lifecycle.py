@@ -154,14 +154,7 @@ class Lifecycle:
             why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
                 if written and isinstance(error, VerificationError) else ""
             return self._give_up(f"capture failed: {error}{why}", generation, lambda: out)
-        unseen = [b.name for b in attempt.capture.baked if b.version is None]
-        if unseen:
-            what = "is an inference tensor" if len(unseen) == 1 else "are inference tensors"
-            attempt.notes.append(f"{staleness.listed(unseen, repr)} {what} (made under torch.inference_mode()): "
-                                 "in-place updates to it cannot be seen; call f.reset() after one")
-        if written:
-            attempt.notes.append(f"{staleness.words(written)} written by the target itself: not watched, "
-                                 "and served calls do not write it")
+        attempt.notes.extend(_unwatched(attempt.capture, written))
         with self.lock:
             held = len(self.table.captures)
             taught = self._install(attempt, generation, snapshot, written)
@@ -265,6 +258,20 @@ def _blank(feeds: Any) -> bool:
     says little about the other inputs of its sizes."""
     tensors = [t for t in feeds if isinstance(t, torch.Tensor)]
     return bool(tensors) and all(t.numel() and not t.any() for t in tensors)  # empty: its shape tells
+
+
+def _unwatched(capture: Capture, written: staleness.Written) -> list[str]:
+    """Notes on what a capture cannot watch: inference tensors, the state the target writes."""
+    notes = []
+    unseen = [b.name for b in capture.baked if b.version is None]
+    if unseen:
+        what = "is an inference tensor" if len(unseen) == 1 else "are inference tensors"
+        notes.append(f"{staleness.listed(unseen, repr)} {what} (made under torch.inference_mode()): "
+                     "in-place updates to it cannot be seen; call f.reset() after one")
+    if written:
+        notes.append(f"{staleness.words(written)} written by the target itself: not watched, "
+                     "and served calls do not write it")
+    return notes
 
 
 def _mutation(names: list[str]) -> str:
