@@ -146,7 +146,7 @@ class Lifecycle:
             written = before.moved()  # by this call's eager run: outputs of the target, not inputs
             # The state the trace starts from: a change another thread makes while it runs is a
             # change the next call sees (taken after the trace, it would be baked unseen).
-            snapshot = staleness.snapshot(self.target, self.table.written | written)
+            snapshot = before.refreshed(written)
         plan = kvcache.planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
         try:
             attempt = degrade.build(self.target, plan, out)

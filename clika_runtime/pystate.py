@@ -130,11 +130,14 @@ class Snapshot:
         again = Snapshot([_reread(p) if p.trigger else p for p in self.parts], self.root)
         return again if again.fresh() else None
 
-    def refreshed(self) -> "Snapshot":
-        """The same watch over the values as they are now: after ``changed()`` found nothing a
-        call reads (a hook made and removed elsewhere, an equal value re-assigned), without
-        walking the target again."""
-        return Snapshot([_reread(part) for part in self.parts], self.root)
+    def refreshed(self, skip: frozenset[tuple[str, str]] = frozenset()) -> "Snapshot":
+        """The same watch over the values as they are now, but the entries in ``skip``: after
+        ``changed()`` found nothing a call reads (a hook made and removed elsewhere, an equal
+        value re-assigned), or after a capture's eager run wrote ``skip``; without walking the
+        target again."""
+        parts = [_reread(part) for part in self.parts]
+        kept = [_without(part, skip) for part in parts] if skip else parts
+        return Snapshot([part for part in kept if part is not None], self.root)
 
     def moved(self) -> frozenset[tuple[str, str]]:
         """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of
