@@ -189,14 +189,7 @@ def export_graph(
         RuntimeError: the exporter failed; the message holds its root cause.
     """
     flat = _Flat(fn, owner)
-    try:
-        with _EXPORTING, _quiet():
-            program = _onnx_program(
-                flat, tuple(examples), list(input_names), _dynamic_shapes(examples, dynamic) if examples else None, optimize
-            )
-    except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
-        raise RuntimeError(root_cause(e)) from e
-    _refuse_state_writes(program.exported_program, owner)
+    program = _exported(flat, examples, input_names, dynamic, optimize, owner)
     numbers = _numbers(program.exported_program, examples)
     number_symbols = {symbol: input_names[i] for symbol, i in numbers.pop("symbols").items()}
     graph_leaves = flat.plan()["graph_leaves"]
@@ -217,6 +210,21 @@ def export_graph(
         constants_read=_owned(program.exported_program.constants),
         **numbers,
     )
+
+
+def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
+              dynamic: Sequence[Mapping[int, Any]], optimize: bool, owner: torch.nn.Module | None) -> Any:
+    """The exporter's program; its failures as one ``RuntimeError`` with the root cause, a trace
+    that writes buffers as ``WritesState``."""
+    try:
+        with _EXPORTING, _quiet():
+            program = _onnx_program(
+                flat, tuple(examples), list(input_names), _dynamic_shapes(examples, dynamic) if examples else None, optimize
+            )
+    except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
+        raise RuntimeError(root_cause(e)) from e
+    _refuse_state_writes(program.exported_program, owner)
+    return program
 
 
 class WritesState(RuntimeError):

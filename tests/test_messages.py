@@ -30,7 +30,9 @@ def test_a_training_mode_module_that_disagrees_is_told_to_call_eval():
     with pytest.warns(UserWarning, match=r"values differ.*in training mode, where Dropout draws random numbers: "
                                          r"call \.eval\(\)"):
         with torch.no_grad():
-            f(torch.randn(4, 8))
+            out = f(torch.randn(4, 8))
+    assert out.shape == (4, 8) and f.state is cr.CompiledFunction.State.Fallback
+    assert "call .eval()" in f.fallback_reason
 
 
 def test_a_data_dependent_branch_under_fullgraph_says_torch_cond_in_one_line():
@@ -65,7 +67,9 @@ def test_an_output_a_graph_cannot_return_names_its_type_and_the_fix():
 
     f = cr.compile(lambda x: (x + 1, Vocabulary()))
     with pytest.warns(UserWarning, match=r"output 1 is a Vocabulary, which a graph cannot return.*register the type"):
-        f(torch.ones(2))
+        out, vocabulary = f(torch.ones(2))
+    torch.testing.assert_close(out, torch.full((2,), 2.0))  # the eager result, the object included
+    assert isinstance(vocabulary, Vocabulary) and f.state is cr.CompiledFunction.State.Fallback
 
 
 @pytest.mark.parametrize("target, where", [(lambda x: x * 2, "input 'x'"), (lambda x: torch.polar(x, x), "output 0")],

@@ -103,6 +103,27 @@ def _served_or_refused(source: Path | onnx.ModelProto, *args: Any) -> Any:
     return result
 
 
+EXPECTED = [X * 2 + WEIGHT.numpy(), X + 1]  # the shipped graph's arrays for (X, 2.0)
+
+
+def _assert_said_or_served(outcome: Any) -> None:
+    """A refusal is one of the library's errors with a message; anything else is plain data."""
+    if isinstance(outcome, LIBRARY_ERRORS):
+        assert str(outcome).strip(), type(outcome)
+    else:
+        assert _plain(outcome), outcome
+
+
+def _arrays(value: Any) -> list[np.ndarray]:
+    if isinstance(value, np.ndarray):
+        return [value]
+    if isinstance(value, dict):
+        return [a for v in value.values() for a in _arrays(v)]
+    if isinstance(value, (list, tuple, collections.deque)):
+        return [a for v in value for a in _arrays(v)]
+    return []
+
+
 def _plain(value: Any) -> bool:
     if type(value) in (dict, collections.OrderedDict):
         return all(_plain(v) for v in value.values())
@@ -653,7 +674,10 @@ def test_fuzzed_metadata_is_served_or_refused(shipped, data):
     else:
         path = data.draw(st.sampled_from(list(_paths(value))))
         text = json.dumps(_put(value, path, data.draw(JSON_VALUES | st.sampled_from(WRONG))))
-    _served_or_refused(_with_metadata(shipped, **{key: text}), X, 2.0)
+    outcome = _served_or_refused(_with_metadata(shipped, **{key: text}), X, 2.0)
+    _assert_said_or_served(outcome)
+    # Metadata describes the graph; it cannot change what the graph computes.
+    assert all(any(np.array_equal(a, e) for e in EXPECTED) for a in _arrays(outcome)), outcome
 
 
 @FUZZ
@@ -670,4 +694,4 @@ def test_fuzzed_bytes_are_served_or_refused(shipped, fuzz_path, data):
     else:
         raw[at:at] = raw[at:at + data.draw(st.integers(1, 64))]
     fuzz_path.write_bytes(bytes(raw))
-    _served_or_refused(fuzz_path, X, 2.0)
+    _assert_said_or_served(_served_or_refused(fuzz_path, X, 2.0))
