@@ -9,7 +9,7 @@ How a capture then serves calls (its hot-path closures) lives in ``hits.py``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, NamedTuple, Sequence
@@ -35,6 +35,7 @@ _SCALARS = {int: "int", float: "float", bool: "bool"}
 
 
 _monotonic = time.monotonic
+logger = logging.getLogger("clika_runtime")
 
 
 class Example(NamedTuple):
@@ -150,9 +151,26 @@ def _build(
     folder = graph_mod.GraphFolder(work_dir)
     exporters.save(exported, str(folder.model), metadata_entries, graph_mod.EXTERNAL_ABOVE)
     phases["save"] = time.perf_counter() - started
+    if optimize:
+        started = time.perf_counter()
+        _fuse(exported, folder)
+        phases["fuse"] = time.perf_counter() - started
     made = Made(plan, eager_out, folder, guard, list(exported.graph_leaves), dict(exported.constants), scalar_out,
                 names, baked, outputs, phases)
     return assemble(made, place, optimize, owner, keep_optimized=work_dir is not None)
+
+
+def _fuse(exported: exporters.ExportedGraph, folder: graph_mod.GraphFolder) -> None:
+    """Write the graph with onnxruntime's fused kernels beside the portable one, when any apply.
+    A speed-up only: any failure of the rewriter leaves the portable graph to serve."""
+    try:
+        made = exporters.save_fused(exported.model, str(folder.path / folder.SERVED))
+    except Exception as e:  # the rewriter is not on the correctness path: never lose a capture to it
+        logger.debug("no fused graph: %s: %s", type(e).__name__, hints.first_line(e))
+        folder.drop_fused()
+        return
+    if made:
+        logger.debug("fused for onnxruntime: %s", ", ".join(f"{n} x{c}" for n, c in sorted(made.items())))
 
 
 @dataclass
@@ -204,20 +222,35 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
         finish=kvcache.writeback(call.canonical, made.eager_out),
     )
     started = time.perf_counter()
-    _verify(capture, feeds, eager_leaves, made.names, made.eager_out)
+    try:
+        _verify(capture, feeds, eager_leaves, made.names, made.eager_out)
+    except VerificationError:
+        if not made.folder.drop_fused():
+            raise
+        logger.debug("the fused graph disagrees with eager: serving the portable one")
+        return assemble(made, place, optimize, owner, keep_optimized)
     made.phases["verify"] = time.perf_counter() - started
     return capture
 
 
 def _session(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
-    optimized = folder.path / f"optimized-{hashlib.sha256(serving.machine_tag(place).encode()).hexdigest()[:16]}.onnx"
+    optimized = folder.optimized(serving.machine_tag(place))
     threads = config.intra_op_threads or torch.get_num_threads()
+
+    def opened(path: Any, level: bool | None, keep: Any = None) -> Any:
+        return serving.open_session(str(path), place, optimize=level, intra_op_threads=threads, keep_optimized=keep)
+
     try:
         if keep_optimized and optimize and optimized.is_file():
-            return serving.open_session(str(optimized), place, optimize=None, intra_op_threads=threads)
+            return opened(optimized, None)
         keep = str(optimized) if keep_optimized and optimize else None
-        return serving.open_session(str(folder.model), place, optimize=optimize, intra_op_threads=threads,
-                                    keep_optimized=keep)
+        if folder.served != folder.model:
+            try:
+                return opened(folder.served, optimize, keep)
+            except Exception as e:  # the rewriter's graph is not one onnxruntime takes: serve the portable one
+                logger.debug("onnxruntime refused the fused graph, serving the portable one: %s", hints.first_line(e))
+                folder.drop_fused()
+        return opened(folder.model, optimize, keep)
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
         raise CaptureError(f"onnxruntime could not load the exported graph: {hints.first_line(e)}") from e
 

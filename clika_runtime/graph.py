@@ -6,6 +6,7 @@ torch; onnx is imported where a method needs it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -187,10 +188,13 @@ EXTERNAL_ABOVE = 16 * 2**20
 
 class GraphFolder:
     """A model written to its own temporary folder (``model.onnx``, and ``model.onnx.data`` when
-    its weights are large), removed when the last reference to the folder goes. Captures keep
-    their graphs here instead of in memory; sessions open the file."""
+    its weights are large; ``served.onnx`` beside it when onnxruntime's fused kernels apply),
+    removed when the last reference to the folder goes. Captures keep their graphs here instead
+    of in memory; sessions open the files."""
 
     MODEL = "model.onnx"
+    SERVED = "served.onnx"  # the graph with onnxruntime's fused kernels, when any apply (exporters.fusion)
+    _OPTIMIZED = "optimized-"
 
     def __init__(self, parent: str | os.PathLike | None = None) -> None:
         self.path = Path(tempfile.mkdtemp(prefix="clika_runtime_", dir=parent))
@@ -216,6 +220,25 @@ class GraphFolder:
         else:
             onnx.save_model(model_proto, str(folder.model))
         return folder
+
+    @property
+    def served(self) -> Path:
+        """The graph sessions open: the fused graph when there is one, else the model."""
+        fused = self.path / self.SERVED
+        return fused if fused.is_file() else self.model
+
+    def optimized(self, machine: str) -> Path:
+        """Where onnxruntime's optimised model for ``machine`` (``serving.machine_tag``) is kept."""
+        return self.path / f"{self._OPTIMIZED}{hashlib.sha256(machine.encode()).hexdigest()[:16]}.onnx"
+
+    def drop_fused(self) -> bool:
+        """Remove the fused graph and what onnxruntime made of it; whether there was one."""
+        fused = self.path / self.SERVED
+        if not fused.is_file():
+            return False
+        for path in [fused, *self.path.glob(f"{self.SERVED}.data"), *self.path.glob(f"{self._OPTIMIZED}*")]:
+            path.unlink(missing_ok=True)
+        return True
 
     def files(self) -> list[Path]:
         """The files of the model (the model, its external data)."""

@@ -4,5 +4,6 @@ Plain data in, plain data out: this package knows nothing of clika_runtime or se
 """
 
 from exporters.dynamo import ExportedGraph, WritesState, export_graph, model_bytes, outputs, save
+from exporters.fusion import save_fused
 
-__all__ = ["ExportedGraph", "WritesState", "export_graph", "model_bytes", "outputs", "save"]
+__all__ = ["ExportedGraph", "WritesState", "export_graph", "model_bytes", "outputs", "save", "save_fused"]

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import io
-import logging
 import math
 import os
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -20,8 +16,9 @@ import torch
 from torch.export import Dim
 
 from exporters import conditions as conds
-from exporters import graph_edits
+from exporters import fusion, graph_edits, translations
 from exporters.dtypes import onnx_dtype
+from exporters.quiet import quiet
 
 _GRAPH_SCALARS = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
 # torch.export keeps process-wide tracing state: two exports at once (two threads capturing
@@ -112,7 +109,8 @@ def _dynamic_shapes(examples: Sequence[Any], dynamic: Sequence[Mapping[int, Any]
 def _onnx_program(
     flat: torch.nn.Module, examples: tuple, input_names: list[str], dynamic_shapes: Any, optimize: bool
 ) -> Any:
-    """``torch.onnx.export(flat, examples, dynamo=True, ...)``, with its operator registry built once.
+    """``torch.onnx.export(flat, examples, dynamo=True, ...)``, with its operator registry built once
+    and our translations (``exporters.translations``) ahead of torchlib's.
 
     torch.onnx.export rebuilds the registry of ONNX functions on every call: half a second, about
     half of a small model's capture. The registry is only read during an export, so the call
@@ -123,7 +121,7 @@ def _onnx_program(
     if cached is None:
         return torch.onnx.export(
             flat, examples, dynamo=True, input_names=input_names, dynamic_shapes=dynamic_shapes,
-            optimize=optimize, verbose=False,
+            optimize=optimize, verbose=False, custom_translation_table=translations.TABLE,
         )
     export, registry, opset = cached
     return export(
@@ -143,6 +141,8 @@ def _exporter_with_registry() -> tuple[Callable[..., Any], Any, int] | None:
         return None
     opset = onnx_constants.ONNX_DEFAULT_OPSET  # torch.onnx.export's default, as in its own body
     registry = _registration.ONNXRegistry().from_torchlib(opset_version=max(opset, _constants.TORCHLIB_OPSET))
+    for target, function in translations.TABLE.items():
+        registry.register_op(target, function)
     return _core.export, registry, opset
 
 
@@ -217,7 +217,7 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     """The exporter's program; its failures as one ``RuntimeError`` with the root cause, a trace
     that writes buffers as ``WritesState``."""
     try:
-        with _EXPORTING, _quiet():
+        with _EXPORTING, quiet():
             program = _onnx_program(
                 flat, tuple(examples), list(input_names), _dynamic_shapes(examples, dynamic) if examples else None, optimize
             )
@@ -292,12 +292,15 @@ def model_bytes(exported: ExportedGraph) -> int:
 
 def save(exported: ExportedGraph, path: str, metadata: Mapping[str, str], external_above: int) -> None:
     """Write the graph (with ``metadata`` in its ``metadata_props``) to ``path``; weights past
-    ``external_above`` bytes go to ``<path>.data`` beside it. Tensors stream from the module's
-    memory to the file: no serialized copy of the weights is ever made."""
+    ``external_above`` bytes go to ``<path>.data`` beside it, and the model's initializers then
+    refer to that file (a fused graph made from the model afterwards shares it). Tensors stream
+    from the module's memory to the file: no serialized copy of the weights is ever made."""
     model = exported.model
     model.metadata_props.update(metadata)
-    external = f"{os.path.basename(path)}.data" if model_bytes(exported) > external_above else None
-    ir.save(model, path, external_data=external, size_threshold_bytes=1024)
+    if model_bytes(exported) > external_above:
+        fusion.externalize(model, path)
+    else:
+        ir.save(model, path)
 
 
 def _dtype_name(dtype: ir.DataType | None) -> str:
@@ -372,22 +375,3 @@ def _finite(bound: Any) -> bool:
         return math.isfinite(float(bound))
     except (TypeError, ValueError):
         return False
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Keep the exporter's progress prints and registration warnings off the user's console."""
-    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript", "onnx_ir")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations, not the user's
-            warnings.simplefilter("ignore", RuntimeWarning)  # numpy noise from constant folding (log(0)...)
-            # The training flag is part of the capture key: exporting a training-mode module is intended.
-            warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)

@@ -52,12 +52,12 @@ TARGETS = {  # workload -> [(ratio name, limit)]
 }
 
 
-def session_for(graph: cr.ModelGraph) -> ort.InferenceSession:
+def session_for(path: str) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return ort.InferenceSession(graph.model_proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
 def current(f: Any) -> Any:
@@ -87,8 +87,8 @@ def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
         f(*inputs)
         f(*w.inputs(w.size))
     assert f.state is cr.CompiledFunction.State.Compiled, f.recapture_reasons
-    graph = current(f).graph()  # the same graph the compiled function serves
-    session = session_for(graph)
+    graph = current(f).graph()
+    session = session_for(str(current(f).folder.served))  # the file the compiled function serves (fused or not)
     feeds = {name: t.numpy() for name, t in zip(graph.input_names, inputs)}
     binding = floor_binding(session, feeds)
     variants: dict[str, Callable[[], Any]] = {}

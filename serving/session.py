@@ -23,7 +23,7 @@ def session_options(optimize: bool | None, intra_op_threads: int | None, keep_op
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     )
     if keep_optimized is not None:
-        options.optimized_model_filepath = keep_optimized
+        options.optimized_model_filepath = str(keep_optimized)
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                          f"{os.path.basename(keep_optimized)}.data")
         options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")

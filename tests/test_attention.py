@@ -1,0 +1,138 @@
+"""Attention as served: rows that are all padding, and onnxruntime's fused kernels.
+
+torch's ``scaled_dot_product_attention`` returns zeros for a query row whose boolean mask is all
+False; the exporter's own translation returned the mean of the values there (exporters/translations.py).
+Graphs with attention, layer norms or GELUs are served from a second file with onnxruntime's fused
+kernels (exporters/fusion.py), while the graph handed out stays portable ONNX.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import current
+
+import clika_runtime as cr
+import serving
+from clika_runtime import capture
+from clika_runtime.graph import GraphFolder
+
+
+def _bert() -> torch.nn.Module:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    return BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=64, max_position_embeddings=64)).eval()
+
+
+def _text(b: int, s: int, padded_rows: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 100, (b, s), generator=torch.Generator().manual_seed(b * 100 + s))
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[list(padded_rows)] = 0  # a row that is all padding: a batch filled up to a fixed size
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture(scope="module")
+def bert():
+    model = _bert()
+    f = cr.compile(model)
+    with torch.no_grad():
+        f(**_text(2, 8))
+        f(**_text(3, 16))  # the batch and sequence axes turn dynamic
+    return model, f
+
+
+def _served_like_eager(model, f, inputs) -> None:
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a capture given up would warn
+        got, expected = f(**inputs), model(**inputs)
+    torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.pooler_output, expected.pooler_output, rtol=1e-4, atol=1e-4)
+
+
+def test_trap_a_row_of_padding_is_served_as_eager_computes_it(bert):
+    model, f = bert
+    captures = f.recapture_count
+    _served_like_eager(model, f, _text(3, 12, padded_rows=(1,)))
+    _served_like_eager(model, f, _text(2, 5, padded_rows=(0, 1)))
+    assert f.state is cr.CompiledFunction.State.Compiled and f.recapture_count == captures  # served by the dynamic graph
+
+
+def test_trap_a_capture_from_a_call_with_a_padding_row_is_kept():
+    """The capture's own call has an all-padding row: its verification used to fail, and the
+    function then served eagerly for good."""
+    model = _bert()
+    f = cr.compile(model)
+    _served_like_eager(model, f, _text(2, 8, padded_rows=(1,)))
+    _served_like_eager(model, f, _text(2, 8, padded_rows=(0,)))
+    assert f.state is cr.CompiledFunction.State.Compiled and f.fallback_reason is None
+
+
+def test_trap_sdpa_with_a_fully_masked_boolean_row_returns_zeros():
+    def attend(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    mask[1, :, 2] = False  # query row 2 of batch 1 sees no key
+    f = cr.compile(attend)
+    f(q, k, v, mask)
+    hits = current(f).stats.hits
+    got = f(q, k, v, mask)
+    assert current(f).stats.hits == hits + 1  # served by the graph
+    torch.testing.assert_close(got, attend(q, k, v, mask))
+    assert torch.count_nonzero(got[1, :, 2]) == 0
+
+
+def test_the_served_graph_is_fused_and_the_graph_handed_out_is_portable(bert, tmp_path):
+    _, f = bert
+    folder = current(f).folder
+    fused = onnx.load(str(folder.path / GraphFolder.SERVED), load_external_data=False)
+    domains = {node.domain for node in fused.graph.node}
+    assert "com.microsoft" in domains, domains
+    assert folder.served == folder.path / GraphFolder.SERVED
+    shipped = onnx.load(str(f.take_graph().save(tmp_path / "bert.onnx")))
+    assert {node.domain for node in shipped.graph.node} <= {"", "ai.onnx"}
+
+
+def test_graphs_without_a_fusion_are_served_from_their_portable_file():
+    f = cr.compile(torch.nn.Linear(4, 3).eval())
+    with torch.no_grad():
+        f(torch.randn(2, 4))
+    folder = current(f).folder
+    assert folder.served == folder.model and not (folder.path / GraphFolder.SERVED).exists()
+
+
+def test_optimize_false_serves_the_graph_as_exported():
+    model = _bert()
+    f = cr.compile(model, optimize=False)
+    _served_like_eager(model, f, _text(2, 8))
+    folder = current(f).folder
+    assert folder.served == folder.model
+
+
+def test_a_fused_graph_onnxruntime_refuses_falls_back_to_the_portable_one(tmp_path):
+    """The rewriter wrote a graph onnxruntime could not open for GPT-2 small while this was built:
+    the session opens the portable graph instead, and the fused file is dropped."""
+    linear = torch.nn.Linear(4, 3).eval()
+    proto = onnx.load_from_string(_exported(linear))
+    folder = GraphFolder.write(proto, tmp_path)
+    (folder.path / GraphFolder.SERVED).write_bytes(b"not a model")
+    assert folder.served != folder.model
+    session = capture._session(folder, serving.resolve("cpu"), optimize=True, keep_optimized=False)
+    x = torch.randn(2, 4)
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), linear(x).detach())
+    assert folder.served == folder.model and not (folder.path / GraphFolder.SERVED).exists()
+
+
+def _exported(module: torch.nn.Module) -> bytes:
+    f = cr.compile(module)
+    with torch.no_grad():
+        f(torch.randn(2, 4))
+    return f.take_graph().model_proto.SerializeToString()
