@@ -76,14 +76,3 @@ def _first_sentences(text: str, limit: int = 300) -> str:
     characters (torch appends advice meant for its own developers)."""
     end = text.find(". ", limit // 3)
     return (text[: end + 1] if 0 < end < limit else text[:limit]).strip()
-
-
-def disagreement(eager_out: Any, capture: Any) -> str:
-    """A hint for a graph that disagrees with eager: where the usual cause is known, the fix."""
-    owner = getattr(capture.parts, "owner", None)
-    if owner is not None and owner.training:
-        random = [type(m).__name__ for m in owner.modules() if "Dropout" in type(m).__name__]
-        if random:
-            return (f" -- the module is in training mode, where {random[0]} draws random numbers: call .eval() "
-                    f"on it for inference")
-    return ""

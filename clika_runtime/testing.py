@@ -44,7 +44,7 @@ def assert_graph_matches_eager(
         for args, kwargs in calls:
             f(*args, **kwargs)
         if f.state is not State.Compiled:
-            raise AssertionError(f"{f.__name__} did not compile: {'; '.join(f.recapture_reasons)}")
+            raise AssertionError(f"{f.__name__} did not compile: {f.fallback_reason or '; '.join(f.recapture_reasons)}")
         count = f.recapture_count
         for index, (args, kwargs) in enumerate(calls):
             served = f(*args, **kwargs)

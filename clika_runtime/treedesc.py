@@ -236,4 +236,8 @@ def flatten_described(description: dict[str, Any], tree: Any, path: str = "") ->
             ) from None
         yield from flatten_described(child, value, sub)
     if hasattr(tree, "__len__") and len(tree) != len(keys):
+        extra = [k for k in tree if k not in keys] if isinstance(tree, dict) else []
+        if extra:  # most often an argument the capturing call left to its default
+            raise ValueError(f"input {path or 'root'}: unexpected {extra}: the graph takes {keys}, the arguments of "
+                             f"the call it was captured from (leave these out, or capture a call that passes them)")
         raise ValueError(f"input {path or 'root'}: expected {len(keys)} entries {keys}, got {len(tree)}")

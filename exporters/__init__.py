@@ -3,7 +3,12 @@
 Plain data in, plain data out: this package knows nothing of clika_runtime or serving.
 """
 
-from exporters.dynamo import ExportedGraph, WritesState, export_graph, model_bytes, outputs, save
+from exporters.dynamo import (
+    DrawsRandom, ExportedGraph, Uncapturable, WritesState, export_graph, model_bytes, outputs, save,
+)
 from exporters.fusion import save_fused
 
-__all__ = ["ExportedGraph", "WritesState", "export_graph", "model_bytes", "outputs", "save", "save_fused"]
+__all__ = [
+    "DrawsRandom", "ExportedGraph", "Uncapturable", "WritesState", "export_graph", "model_bytes", "outputs", "save",
+    "save_fused",
+]

@@ -174,7 +174,7 @@ def export_graph(
         fn: takes the flat inputs positionally, returns the flat output leaves.
         examples: one example per input (tensors, or Python numbers lifted to graph inputs).
         input_names: the graph input names.
-        output_names / output_dtypes: per output leaf of ``fn`` (dtype ``None`` for non-tensors);
+        output_names / output_dtypes: per output leaf of ``fn`` (dtype ``None`` for sizes: int64);
             only leaves the graph computes become outputs, cast back to these dtypes when the
             exporter changed them.
         dynamic: per input, the axes to leave dynamic, each with a dim name or ``None`` (named
@@ -224,13 +224,49 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
         raise RuntimeError(root_cause(e)) from e
     _refuse_state_writes(program.exported_program, owner)
+    _refuse_random(program.exported_program, owner)
     return program
 
 
-class WritesState(RuntimeError):
+class Uncapturable(RuntimeError):
+    """What the traced function does cannot be served from a graph, however it is exported."""
+
+
+class WritesState(Uncapturable):
     """The traced function writes its module's buffers (``self.last.copy_(x)``, a training-mode
     batch norm's running statistics): a graph returns outputs only, so served calls would skip the
-    writes. No other way of exporting helps."""
+    writes."""
+
+
+class DrawsRandom(Uncapturable):
+    """The traced function draws random numbers (``torch.rand``, ``multinomial``, training-mode
+    dropout): onnxruntime's generator would draw them, deaf to ``torch.manual_seed``, and one
+    verification against eager cannot tell a lucky draw from a right graph."""
+
+
+def _refuse_random(program: Any, owner: torch.nn.Module | None) -> None:
+    drawn = sorted({str(node.target) for node in program.graph.nodes if node.op == "call_function" and _draws(node)})
+    if not drawn:
+        return
+    training = owner is not None and owner.training
+    raise DrawsRandom(
+        f"the target draws random numbers ({', '.join(drawn)}), which a graph cannot draw from torch's generator"
+        + (" (a training-mode module: call .eval() before serving)" if training else ""))
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether the node draws random numbers. torch tags every op that may draw; attention and
+    dropout draw only with a dropout probability above 0 in training mode."""
+    target = node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    arguments = target._schema.arguments
+    bound = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+             for i, a in enumerate(arguments)}
+    if "train" in bound and bound["train"] is False:  # dropout ops in eval mode
+        return False
+    probability = bound.get("dropout_p", bound.get("p") if "train" in bound else None)
+    return not (isinstance(probability, (int, float)) and probability == 0)
 
 
 def _refuse_state_writes(program: Any, owner: torch.nn.Module | None) -> None:
@@ -319,7 +355,7 @@ def _owned(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _leaf_dtype(dtype: torch.dtype | None) -> ir.DataType:
-    # Non-tensor graph leaves are sizes (SymInt): ONNX carries them as int64 scalars.
+    # Non-tensor graph leaves without a dtype are sizes (SymInt): ONNX carries them as int64 scalars.
     return ir.DataType.INT64 if dtype is None else onnx_dtype(dtype)
 
 

@@ -1,6 +1,11 @@
 """Our ONNX translations of the aten ops whose torchlib translation computes something other
 than torch does; each is registered ahead of torchlib's and delegates to it where it agrees.
 
+``embedding``, ``gather``, ``index_select`` with a negative index: torch raises (``IndexError``:
+an id of -1 used as padding, an unfilled slot), ONNX's Gather counts it from the end and the graph
+served the last row. Ours turns a negative index into one past the end, which onnxruntime refuses
+at run time; the call then runs eagerly and raises torch's own error.
+
 ``scaled_dot_product_attention`` with a boolean mask: torch returns zeros for a query row whose
 keys are all masked out (a sequence that is all padding: a warm-up batch of zero masks, a batch
 padded with empty rows). torchlib fills masked scores with the dtype's lowest value instead of
@@ -15,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 from onnxscript import ir
+from onnxscript.function_libs.torch_lib.ops.core import aten_gather as _torchlib_gather
+from onnxscript.function_libs.torch_lib.ops.core import aten_index_select as _torchlib_index_select
 from onnxscript.function_libs.torch_lib.ops.nn import aten_scaled_dot_product_attention as _torchlib_sdpa
 from onnxscript.onnx_opset import opset18 as op
 
@@ -32,6 +39,37 @@ def scaled_dot_product_attention(
     return op.Where(op.Cast(visible, to=ir.DataType.BOOL), out, op.CastLike(op.Constant(value_float=0.0), out))
 
 
+def embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False,
+              sparse: bool = False) -> Any:
+    """The rows of ``weight`` (torchlib's Gather), a negative id refused at run time as torch refuses it."""
+    return op.Gather(weight, _negative_past_end(indices, weight, 0))
+
+
+def gather(self: Any, dim: int, index: Any, sparse_grad: bool = False) -> Any:
+    """torchlib's gather, a negative index refused at run time as torch refuses it."""
+    if len(self.shape) > 0:
+        index = _negative_past_end(index, self, dim % len(self.shape))
+    return _torchlib_gather(self, dim, index, sparse_grad)
+
+
+def index_select(self: Any, dim: int, index: Any) -> Any:
+    """torchlib's index_select, a negative index refused at run time as torch refuses it."""
+    if len(self.shape) > 0:
+        index = _negative_past_end(index, self, dim % len(self.shape))
+    return _torchlib_index_select(self, dim, index)
+
+
+def _negative_past_end(index: Any, data: Any, axis: int) -> Any:
+    """``index`` with each negative entry replaced by the size of ``data``'s ``axis``: out of range."""
+    size = op.CastLike(op.Squeeze(op.Shape(data, start=axis, end=axis + 1)), index)
+    fixed = op.Where(op.Less(index, op.CastLike(op.Constant(value_int=0), index)), size, index)
+    fixed.shape, fixed.dtype = index.shape, index.dtype  # what torchlib's translation reads of its index
+    return fixed
+
+
 TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
+    torch.ops.aten.embedding.default: embedding,
+    torch.ops.aten.gather.default: gather,
+    torch.ops.aten.index_select.default: index_select,
 }

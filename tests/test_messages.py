@@ -27,8 +27,8 @@ class _Dropped(torch.nn.Module):
 
 def test_a_training_mode_module_that_disagrees_is_told_to_call_eval():
     f = cr.compile(_Dropped())  # left in training mode
-    with pytest.warns(UserWarning, match=r"values differ.*in training mode, where Dropout draws random numbers: "
-                                         r"call \.eval\(\)"):
+    with pytest.warns(UserWarning, match=r"draws random numbers \(aten\.native_dropout\.default\).*training-mode "
+                                         r"module: call \.eval\(\)"):
         with torch.no_grad():
             out = f(torch.randn(4, 8))
     assert out.shape == (4, 8) and f.state is cr.CompiledFunction.State.Fallback
@@ -141,3 +141,16 @@ def test_warnings_point_at_the_users_line():
         warnings.simplefilter("always")
         f(torch.zeros(2))
     assert caught and caught[0].filename == __file__
+
+
+def test_a_shipped_graph_names_an_argument_the_capture_left_to_its_default(tmp_path):
+    class Scaled(torch.nn.Module):
+        def forward(self, x, mask=None, scale: float = 1.0):
+            return x * scale * mask
+
+    f = cr.compile(Scaled())
+    x, mask = torch.randn(2, 8), torch.ones(2, 1)
+    f(x, mask=mask)
+    served = cr.load(f.take_graph().save(tmp_path / "scaled.onnx"))
+    with pytest.raises(cr.GraphInputError, match=r"unexpected \['scale'\].*captured from"):
+        served(x, mask=mask, scale=1.0)
