@@ -20,7 +20,7 @@ import torch
 import exporters
 import serving
 from clika_runtime import graph as graph_mod
-from clika_runtime import guards, hints, hits, kvcache, metadata, treedesc, trees
+from clika_runtime import fusing, guards, hints, hits, kvcache, metadata, treedesc, trees
 from clika_runtime.calls import CallForms
 from clika_runtime.config import config
 from clika_runtime.describe import TensorInfo
@@ -153,24 +153,13 @@ def _build(
     phases["save"] = time.perf_counter() - started
     if optimize:
         started = time.perf_counter()
-        _fuse(exported, folder)
+        fusing.fuse(exported, folder)
+        if exporters.model_bytes(exported) < fusing.MEASURED_BELOW:
+            fusing.keep_if_faster(folder, place, call.names, call.feeds, _threads())
         phases["fuse"] = time.perf_counter() - started
     made = Made(plan, eager_out, folder, guard, list(exported.graph_leaves), dict(exported.constants), scalar_out,
                 names, baked, outputs, phases)
     return assemble(made, place, optimize, owner, keep_optimized=work_dir is not None)
-
-
-def _fuse(exported: exporters.ExportedGraph, folder: graph_mod.GraphFolder) -> None:
-    """Write the graph with onnxruntime's fused kernels beside the portable one, when any apply.
-    A speed-up only: any failure of the rewriter leaves the portable graph to serve."""
-    try:
-        made = exporters.save_fused(exported.model, str(folder.path / folder.SERVED))
-    except Exception as e:  # the rewriter is not on the correctness path: never lose a capture to it
-        logger.debug("no fused graph: %s: %s", type(e).__name__, hints.first_line(e))
-        folder.drop_fused()
-        return
-    if made:
-        logger.debug("fused for onnxruntime: %s", ", ".join(f"{n} x{c}" for n, c in sorted(made.items())))
 
 
 @dataclass
@@ -235,7 +224,7 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
 
 def _session(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
     optimized = folder.optimized(serving.machine_tag(place))
-    threads = config.intra_op_threads or torch.get_num_threads()
+    threads = _threads()
 
     def opened(path: Any, level: bool | None, keep: Any = None) -> Any:
         return serving.open_session(str(path), place, optimize=level, intra_op_threads=threads, keep_optimized=keep)
@@ -253,6 +242,11 @@ def _session(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool
         return opened(folder.model, optimize, keep)
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
         raise CaptureError(f"onnxruntime could not load the exported graph: {hints.first_line(e)}") from e
+
+
+def _threads() -> int:
+    """onnxruntime's intra-op threads: the configured count, else torch's."""
+    return config.intra_op_threads or torch.get_num_threads()
 
 
 def examples(feeds: Sequence[Any]) -> tuple[Example, ...]:

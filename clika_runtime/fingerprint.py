@@ -42,15 +42,36 @@ _PARALLEL_BYTES = 64 * 2**20
 def function_key(target: Target) -> str:
     """The digest of everything a function's graphs depend on but its calls. Reads the module as
     an eager call does (holding ``TARGETS`` shared): an export elsewhere swaps its parameters."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(code_key(target).encode())
     with TARGETS.shared():
-        for part in (_versions(), _options(target), _code(target.fn)):
-            digest.update(part.encode())
         tensors = _tensors(target)
         for (name, _), tensor_hex in zip(tensors, _digests([t for _, t in tensors])):
             digest.update(name.encode())
             digest.update(tensor_hex.encode())
     return digest.hexdigest()
+
+
+def code_key(target: Target) -> str:
+    """The digest of a function without its weights' values (their names, dtypes and shapes
+    only): what an earlier process learned about its calls' axes is keyed by it, so it is read
+    before the first call without hashing the weights."""
+    digest = hashlib.sha256()
+    with TARGETS.shared():
+        for part in (_versions(), _options(target), _code(target.fn)):
+            digest.update(part.encode())
+        for name, tensor in _tensors(target):
+            digest.update(f"{name}:{tensor.dtype}{tuple(tensor.shape)}".encode())
+    return digest.hexdigest()
+
+
+def warm(target: Target) -> None:
+    """Hash the target's weights now (one thread), so a ``function_key`` soon after finds them
+    hashed: started beside a function's first eager call, which it overlaps."""
+    with TARGETS.shared():
+        tensors = [t for _, t in _tensors(target)]
+    for tensor in tensors:
+        with TARGETS.shared():  # between tensors, an export elsewhere may take its turn
+            tensor_digest(tensor)
 
 
 def _digests(tensors: list[torch.Tensor]) -> list[str]:

@@ -11,6 +11,8 @@ tree and constant leaves come from it, and the graph serves only once it agrees 
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
@@ -133,16 +135,41 @@ def remember(target: Target, knowledge: Knowledge) -> None:
         "untied": sorted(sorted([list(p) for p in pair]) for pair in knowledge.untied),
     }
     try:
-        cache.remember(fingerprint.function_key(target), data)
+        cache.remember(fingerprint.code_key(target), data)
     except OSError as e:
         diskcache.refuse(cache.root, e)
 
 
-def recall(target: Target) -> Knowledge | None:
-    """What an earlier process learned about this function, or ``None``."""
-    cache = diskcache.active()
+_WARMED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions whose weights are being or were hashed ahead
+
+
+def _first_warm(fn: Any) -> bool:
+    """Whether ``fn``'s weights are not yet being hashed ahead: once per function, however many
+    calls miss before its first capture (a builtin, which no weak reference can hold, every time)."""
     try:
-        data = cache.knowledge(fingerprint.function_key(target)) if cache is not None else None
+        if fn in _WARMED:
+            return False
+        _WARMED.add(fn)
+    except TypeError:
+        pass
+    return True
+
+
+def _warm(target: Target) -> None:
+    try:
+        fingerprint.warm(target)
+    except Exception as e:  # the key is computed again where it is needed, and says why it cannot be
+        logger.debug("disk cache: %s weights not hashed ahead: %s: %s", target.name, type(e).__name__, e)
+
+
+def recall(target: Target) -> Knowledge | None:
+    """What an earlier process learned about this function, or ``None``. Also starts hashing its
+    weights for the cache key on another thread, while the first call runs eagerly."""
+    cache = diskcache.active()
+    if cache is not None and _first_warm(target.fn):
+        threading.Thread(target=_warm, args=(target,), name="clika_runtime-weights-hash", daemon=True).start()
+    try:
+        data = cache.knowledge(fingerprint.code_key(target)) if cache is not None else None
     except Exception as e:  # a target the fingerprint cannot read: no cache for it, never an error
         logger.debug("disk cache: %s not fingerprinted: %s: %s", target.name, type(e).__name__, e)
         return None
