@@ -117,8 +117,29 @@ def _tensors(target: Target) -> list[tuple[str, torch.Tensor]]:
     found: list[tuple[str, torch.Tensor]] = []
     if target.owner is not None:
         found += list(target.owner.named_parameters()) + list(target.owner.named_buffers())
+        found += _attribute_tensors(target.owner)
     found += closure_tensors(target.fn)
     return found
+
+
+def _attribute_tensors(owner: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Tensors modules hold as plain attributes (``self.table = torch.zeros(10)``), directly or in
+    a list, tuple or dict: the exporter bakes them as it bakes buffers."""
+    found = []
+    for prefix, module in owner.named_modules():
+        for key, value in vars(module).items():
+            name = f"{prefix}.{key}" if prefix else key
+            items = value.items() if isinstance(value, dict) else enumerate(value) \
+                if isinstance(value, (list, tuple)) else [(None, value)]
+            found += [(name if i is None else f"{name}[{i!r}]", v) for i, v in items if isinstance(v, torch.Tensor)]
+    return found
+
+
+def forget(target: Target) -> None:
+    """Hash the target's tensors afresh next time: a write through ``.data`` moves neither their
+    version nor their memory, so after one the digests kept for them are stale (``reset()``)."""
+    for _, tensor in _tensors(target):
+        _DIGESTS.pop(id(tensor), None)
 
 
 def _versions() -> str:

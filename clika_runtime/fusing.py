@@ -48,10 +48,10 @@ def keep_if_faster(folder: graph_mod.GraphFolder, place: serving.Place, names: S
     ``feeds`` (the capture's call). Anything that stops the timing keeps the files as they are."""
     if folder.served == folder.model or place.primary != "CPUExecutionProvider":
         return
-    inputs = _numpy(names, feeds)
-    if inputs is None:
-        return
     try:
+        inputs = _numpy(names, feeds)
+        if inputs is None:
+            return
         fused, portable = (serving.open_session(str(path), place, intra_op_threads=threads)
                            for path in (folder.served, folder.model))
         ratio = _ratio(fused, portable, inputs)

@@ -50,9 +50,11 @@ class Lifecycle:
         self.table = table
 
     def reset(self) -> None:
-        """A fresh table of a new generation: captures still in progress will not be installed."""
+        """A fresh table of a new generation: captures still in progress will not be installed.
+        Weights are hashed again for the disk cache: a reset often follows a write it cannot see."""
         with self.lock:
             self.table = fresh(self.table.generation + 1)
+        restore.forget(self.target)
         memory.give_back()
 
     # ---------------------------------------------------------------------------------- the miss

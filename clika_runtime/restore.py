@@ -143,6 +143,14 @@ def remember(target: Target, knowledge: Knowledge) -> None:
 _WARMED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions whose weights are being or were hashed ahead
 
 
+def forget(target: Target) -> None:
+    """The target's weights are hashed afresh for its next cache key (``fingerprint.forget``)."""
+    try:
+        fingerprint.forget(target)
+    except Exception as e:  # nothing kept for a target the fingerprint cannot read
+        logger.debug("disk cache: %s digests not dropped: %s: %s", target.name, type(e).__name__, e)
+
+
 def _first_warm(fn: Any) -> bool:
     """Whether ``fn``'s weights are not yet being hashed ahead: once per function, however many
     calls miss before its first capture (a builtin, which no weak reference can hold, every time)."""

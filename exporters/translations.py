@@ -6,12 +6,12 @@ an id of -1 used as padding, an unfilled slot), ONNX's Gather counts it from the
 served the last row. Ours turns a negative index into one past the end, which onnxruntime refuses
 at run time; the call then runs eagerly and raises torch's own error.
 
-``scaled_dot_product_attention`` with a boolean mask: torch returns zeros for a query row whose
-keys are all masked out (a sequence that is all padding: a warm-up batch of zero masks, a batch
-padded with empty rows). torchlib fills masked scores with the dtype's lowest value instead of
--inf, so its softmax spreads such a row evenly over every key and the graph returns the mean of
-the values: different numbers from eager, served silently. The fix zeroes exactly those rows
-after torchlib's attention, which keeps its pattern intact for onnxruntime's fusions.
+``scaled_dot_product_attention``: torch returns zeros for a query row whose keys are all masked
+out (a sequence that is all padding: a warm-up batch of zero masks, a batch padded with empty
+rows). torchlib fills boolean-masked scores with the dtype's lowest value instead of -inf, so its
+softmax spreads such a row evenly over every key and the graph returns the mean of the values;
+with a float mask of -inf its softmax returns NaN: other numbers than eager's either way. Ours
+zeroes exactly those rows after torchlib's attention, which keeps its pattern for the fusions.
 """
 
 from __future__ import annotations
@@ -30,13 +30,19 @@ def scaled_dot_product_attention(
     query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
     scale: float | None = None, enable_gqa: bool = False,
 ) -> Any:
-    """torchlib's attention; with a boolean mask, rows whose mask is all False are zeros, as in torch."""
+    """torchlib's attention; rows whose mask hides every key (all False, or all -inf in a float
+    mask) are zeros, as in torch."""
     out = _torchlib_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if attn_mask is None or attn_mask.dtype != ir.DataType.BOOL:
+    if attn_mask is None:
         return out
-    # Any key visible to this query row: (..., L, 1), broadcast over the heads and the value dim.
-    visible = op.ReduceMax(op.Cast(attn_mask, to=ir.DataType.FLOAT), op.Constant(value_ints=[-1]), keepdims=1)
-    return op.Where(op.Cast(visible, to=ir.DataType.BOOL), out, op.CastLike(op.Constant(value_float=0.0), out))
+    # Whether any key is visible to a query row: (..., L, 1), broadcast over heads and the value dim.
+    if attn_mask.dtype == ir.DataType.BOOL:
+        best = op.ReduceMax(op.Cast(attn_mask, to=ir.DataType.FLOAT), op.Constant(value_ints=[-1]), keepdims=1)
+        visible = op.Cast(best, to=ir.DataType.BOOL)
+    else:  # an additive mask: a row of -inf hides everything (torchlib's softmax makes it NaN)
+        best = op.ReduceMax(attn_mask, op.Constant(value_ints=[-1]), keepdims=1)
+        visible = op.Not(op.IsInf(best, detect_positive=0))
+    return op.Where(visible, out, op.CastLike(op.Constant(value_float=0.0), out))
 
 
 def embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False,

@@ -172,3 +172,26 @@ def test_a_small_graph_keeps_its_fused_file_only_when_it_runs_faster(tmp_path, f
     x = torch.rand(256, 256, generator=torch.Generator().manual_seed(0))
     fusing.keep_if_faster(folder, serving.resolve("cpu"), ["x"], [x], threads=1)
     assert (folder.served == folder.model) is fused_is_slow
+
+
+def test_trap_sdpa_with_a_row_of_minus_infinity_in_a_float_mask_returns_zeros():
+    """An additive mask (``masked_fill(~mask, -inf)``) over an all-padding row: torch returns
+    zeros, the exporter's softmax NaN."""
+    def attend(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def batch(seed: int) -> tuple[torch.Tensor, ...]:
+        q, k, v = (torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(seed + i)) for i in range(3))
+        mask = torch.zeros(2, 1, 1, 4)
+        mask[0, ..., 2:] = float("-inf")  # right padding
+        mask[1] = float("-inf")  # all padding
+        return q, k, v, mask
+
+    f = cr.compile(attend)
+    f(*batch(0))  # the capture's own call has the row: it verifies
+    hits = current(f).stats.hits
+    args = batch(10)
+    got = f(*args)
+    assert current(f).stats.hits == hits + 1 and f.state is cr.CompiledFunction.State.Compiled
+    torch.testing.assert_close(got, attend(*args))
+    assert torch.count_nonzero(got[1]) == 0

@@ -111,6 +111,42 @@ def test_what_decides_the_graph_is_in_the_key(change, monkeypatch):
         assert _exported(_capture(model, x))
 
 
+class _Table(torch.nn.Module):
+    """Reads a plain tensor attribute: the exporter bakes it like a buffer."""
+
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.table = torch.zeros(10)
+        self.table[5:] = fill
+
+    def forward(self, idx):
+        return self.table[idx] + 1
+
+
+def test_a_plain_tensor_attribute_is_in_the_key():
+    first = cr.compile(_Table(1.0))
+    first(torch.tensor([0, 1, 2]))
+    other = _Table(7.0)
+    f = cr.compile(other)
+    f(torch.tensor([0, 1, 2]))  # rows both tables share: a graph found in the cache would verify
+    assert _exported(f)
+    torch.testing.assert_close(f(torch.tensor([5, 6, 7])), torch.full((3,), 8.0))
+
+
+def test_reset_after_a_write_through_data_hashes_the_weights_again():
+    """A write through ``.data`` moves neither the tensor's version nor its memory: the README
+    says to call reset(), after which the disk cache must not hand back the old graph."""
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(10, 3).eval()
+    f = _capture(table, torch.tensor([1, 2, 3]))
+    table.weight.data[7] = 100.0
+    f.reset()
+    with torch.no_grad():
+        f(torch.tensor([1, 2, 3]))  # rows the write left alone: an old graph would verify
+        assert _exported(f)
+        torch.testing.assert_close(f(torch.tensor([7, 7, 1])), table(torch.tensor([7, 7, 1])))
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
 def test_a_broken_entry_is_ignored_and_replaced(damage):
     model, x = _model(), torch.randn(2, 4)
