@@ -122,12 +122,17 @@ def _tensors(target: Target) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
+_REGISTERED = frozenset({"_parameters", "_buffers", "_modules"})  # a module's own registries, listed apart
+
+
 def _attribute_tensors(owner: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Tensors modules hold as plain attributes (``self.table = torch.zeros(10)``), directly or in
     a list, tuple or dict: the exporter bakes them as it bakes buffers."""
     found = []
     for prefix, module in owner.named_modules():
         for key, value in vars(module).items():
+            if key in _REGISTERED:
+                continue
             name = f"{prefix}.{key}" if prefix else key
             items = value.items() if isinstance(value, dict) else enumerate(value) \
                 if isinstance(value, (list, tuple)) else [(None, value)]
