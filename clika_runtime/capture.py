@@ -180,8 +180,9 @@ class Made:
 
 
 def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.Module | None,
-             keep_optimized: bool = False) -> Capture:
-    """Open the session of a written graph, make its closures, and verify it against eager.
+             keep_optimized: bool = False, session: Any = None) -> Capture:
+    """Open the session of a written graph (unless ``session``, opened by ``open_served``, is
+    given), make its closures, and verify it against eager.
 
     ``keep_optimized``: the folder keeps onnxruntime's optimised model for this machine, and a
     folder that has one opens it without optimising again (the slow part of opening a big model).
@@ -191,7 +192,7 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
     eager_leaves, out_spec = trees.flatten(made.eager_out)
     graph_outputs = [made.names[pos] for pos in made.graph_leaves]
     started = time.perf_counter()
-    session = _session(made.folder, place, optimize, keep_optimized)
+    session = session or open_served(made.folder, place, optimize, keep_optimized)
     device = next((t.device for t in feeds if isinstance(t, torch.Tensor)), None)
     runner = serving.TorchRunner(
         session, place, call.names, graph_outputs,
@@ -222,7 +223,9 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
     return capture
 
 
-def _session(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
+def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
+    """The session of the file a folder serves (``GraphFolder.served``); ``CaptureError`` when
+    onnxruntime takes neither the fused nor the portable graph."""
     optimized = folder.optimized(serving.machine_tag(place))
     threads = _threads()
 

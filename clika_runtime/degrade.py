@@ -41,14 +41,15 @@ class Attempt:
     unliftable: frozenset[int]
 
 
-def build(target: Target, plan: CapturePlan, out: Any) -> Attempt:
+def build(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None = None) -> Attempt:
     """Capture ``plan`` (its call's eager result is ``out``): from the disk cache when an earlier
     process made it, else by exporting, degrading until it succeeds (then kept in the cache).
-    Raises the last ``CaptureError`` when nothing is left to give up."""
+    ``ahead``: the cache lookup started before the eager call. Raises the last ``CaptureError``
+    when nothing is left to give up."""
     check_output_axes(target, out, plan)
     watch_registrations()
     with _progress(target, plan) as attempt_of:
-        attempt = _cached_or_exported(target, plan, out)
+        attempt = _cached_or_exported(target, plan, out, ahead)
         attempt_of.append(attempt)
     return attempt
 
@@ -73,10 +74,11 @@ def _progress(target: Target, plan: CapturePlan) -> Iterator[list[Attempt]]:
             logger.info("captured %s(%s) in %.1f s: %s", target.graph_name, shapes, took, phases)
 
 
-def _cached_or_exported(target: Target, plan: CapturePlan, out: Any) -> Attempt:
-    slot = restore.slot_for(target, plan)
+def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None) -> Attempt:
+    ready = ahead.ready() if ahead is not None and ahead.plan is plan else None  # the plan the lookup was for
+    slot = ready.slot if ready is not None else restore.slot_for(target, plan)
     if slot is not None:
-        found = restore.restore(slot, target, plan, out)
+        found = restore.restore(slot, target, plan, out, ready)
         if found is not None:
             capture, used, meta = found
             return Attempt(capture, used, list(meta["notes"]), [tuple(a) for a in meta["static_axes"]],

@@ -138,6 +138,7 @@ class Lifecycle:
         """Capture ``plan`` from its call (``eager``: its result when already in hand, as a 1-tuple)."""
         with TARGETS.shared():
             before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
+        ahead = restore.ahead(self.target, plan)  # the disk cache looked up beside the eager call
         if eager is None:
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
             if mutated:
@@ -151,7 +152,7 @@ class Lifecycle:
             snapshot = before.refreshed(written)
         plan = kvcache.planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
         try:
-            attempt = degrade.build(self.target, plan, out)
+            attempt = degrade.build(self.target, plan, out, ahead)
         except CaptureError as error:
             why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
                 if written and isinstance(error, VerificationError) else ""

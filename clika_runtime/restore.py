@@ -11,8 +11,7 @@ tree and constant leaves come from it, and the graph serves only once it agrees 
 from __future__ import annotations
 
 import logging
-import threading
-import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
@@ -52,16 +51,69 @@ def slot_for(target: Target, plan: CapturePlan) -> Slot | None:
     return Slot(cache, fingerprint.capture_key(function, plan, target.place_for(plan.call.feeds).primary))
 
 
-def restore(slot: Slot, target: Target, plan: CapturePlan, out: Any) -> tuple[capture_mod.Capture, CapturePlan, dict] | None:
-    """The capture cached for ``plan``, verified against ``out``; ``None`` when there is none or
-    it does not serve this call (a debug line says why)."""
+@dataclass(frozen=True)
+class Ready:
+    """A cache lookup done beside the eager call of the capture that makes it: the slot, and
+    when the cache holds the plan's graph, its files linked and checked and its session open."""
+
+    slot: Slot
+    entry: diskcache.Entry | None = None
+    folder: GraphFolder | None = None
+    session: Any = None
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A lookup under way for ``plan`` (``ahead``)."""
+
+    plan: CapturePlan
+    future: "Future[Ready | None]"
+
+    def ready(self) -> Ready | None:
+        """Its result; ``None`` when it found no slot or failed (the lookup is then made again)."""
+        try:
+            return self.future.result()
+        except Exception as e:  # a lookup is never an error: the usual path runs instead
+            logger.debug("disk cache: lookup ahead failed: %s: %s", type(e).__name__, e)
+            return None
+
+
+# Lookups ahead run here: hashing weights, linking files and opening a session release the GIL, so
+# they overlap the eager call (BERT-base's warm first call: the hash and the session, 0.3 s of it).
+_AHEAD = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clika_runtime-cache")
+
+
+def ahead(target: Target, plan: CapturePlan) -> Ahead | None:
+    """Start looking ``plan`` up in the disk cache (``None`` when the cache is off)."""
+    if diskcache.active() is None:
+        return None
+    return Ahead(plan, _AHEAD.submit(_ready, target, plan))
+
+
+def _ready(target: Target, plan: CapturePlan) -> Ready | None:
+    fingerprint.warm(target)  # one thread: the eager call has the other core
+    slot = slot_for(target, plan)
+    if slot is None:
+        return None
     entry = slot.cache.load(slot.key)
+    if entry is None:
+        return Ready(slot)
+    folder = _linked(entry, slot)
+    place = target.place_for(plan.call.feeds)
+    return Ready(slot, entry, folder, capture_mod.open_served(folder, place, target.optimize, keep_optimized=True))
+
+
+def restore(slot: Slot, target: Target, plan: CapturePlan, out: Any,
+            ready: Ready | None = None) -> tuple[capture_mod.Capture, CapturePlan, dict] | None:
+    """The capture cached for ``plan``, verified against ``out``; ``None`` when there is none or
+    it does not serve this call (a debug line says why). ``ready``: the lookup made ahead."""
+    entry = ready.entry if ready is not None else slot.cache.load(slot.key)
     if entry is None:
         return None
     try:
-        made, used = _made(entry, target, plan, out, slot)
+        made, used = _made(entry, target, plan, out, slot, ready.folder if ready is not None else None)
         capture = capture_mod.assemble(made, target.place_for(used.call.feeds), target.optimize, target.owner,
-                                       keep_optimized=True)
+                                       keep_optimized=True, session=ready.session if ready is not None else None)
     except Exception as e:  # stale, foreign or anything unforeseen: a cache entry is never an error
         logger.debug("disk cache: entry %s not used: %s: %s", slot.key, type(e).__name__, e)
         return None
@@ -90,7 +142,8 @@ def store(slot: Slot, capture: capture_mod.Capture, plan: CapturePlan, notes: li
         diskcache.refuse(slot.cache.root, e)
 
 
-def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, slot: Slot) -> tuple[capture_mod.Made, CapturePlan]:
+def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, slot: Slot,
+          folder: GraphFolder | None = None) -> tuple[capture_mod.Made, CapturePlan]:
     meta = entry.meta
     call = plan.call
     lifted = frozenset(meta["lifted"])
@@ -109,11 +162,7 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
         raise ValueError("a tensor it baked is not found in this process")
     leaves = trees.flatten(out)[0]
     graph_leaves = [int(p) for p in meta["graph_leaves"]]
-    folder = GraphFolder(slot.cache.work)
-    for path in entry.files:
-        diskcache.link_or_copy(path, folder.path / path.name)
-    for path in folder.path.glob("*.onnx"):  # the same rules as any graph file: data in its folder, no code
-        graphfile.check(path)
+    folder = folder or _linked(entry, slot)
     made = capture_mod.Made(
         plan=used, eager_out=out, folder=folder, guard=guard, graph_leaves=graph_leaves,
         constants={i: leaf for i, leaf in enumerate(leaves) if i not in graph_leaves},
@@ -122,6 +171,16 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
         baked=tuple(baked), outputs=tuple(TensorInfo(n, d, tuple(s)) for n, d, s in meta["outputs"]), phases={},
     )
     return made, used
+
+
+def _linked(entry: diskcache.Entry, slot: Slot) -> GraphFolder:
+    """The entry's files in a folder of their own, checked as any graph file is (data in its folder, no code)."""
+    folder = GraphFolder(slot.cache.work)
+    for path in entry.files:
+        diskcache.link_or_copy(path, folder.path / path.name)
+    for path in folder.path.glob("*.onnx"):
+        graphfile.check(path)
+    return folder
 
 
 def remember(target: Target, knowledge: Knowledge) -> None:
@@ -140,9 +199,6 @@ def remember(target: Target, knowledge: Knowledge) -> None:
         diskcache.refuse(cache.root, e)
 
 
-_WARMED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions whose weights are being or were hashed ahead
-
-
 def forget(target: Target) -> None:
     """The target's weights are hashed afresh for its next cache key (``fingerprint.forget``)."""
     try:
@@ -151,31 +207,9 @@ def forget(target: Target) -> None:
         logger.debug("disk cache: %s digests not dropped: %s: %s", target.name, type(e).__name__, e)
 
 
-def _first_warm(fn: Any) -> bool:
-    """Whether ``fn``'s weights are not yet being hashed ahead: once per function, however many
-    calls miss before its first capture (a builtin, which no weak reference can hold, every time)."""
-    try:
-        if fn in _WARMED:
-            return False
-        _WARMED.add(fn)
-    except TypeError:
-        pass
-    return True
-
-
-def _warm(target: Target) -> None:
-    try:
-        fingerprint.warm(target)
-    except Exception as e:  # the key is computed again where it is needed, and says why it cannot be
-        logger.debug("disk cache: %s weights not hashed ahead: %s: %s", target.name, type(e).__name__, e)
-
-
 def recall(target: Target) -> Knowledge | None:
-    """What an earlier process learned about this function, or ``None``. Also starts hashing its
-    weights for the cache key on another thread, while the first call runs eagerly."""
+    """What an earlier process learned about this function, or ``None``."""
     cache = diskcache.active()
-    if cache is not None and _first_warm(target.fn):
-        threading.Thread(target=_warm, args=(target,), name="clika_runtime-weights-hash", daemon=True).start()
     try:
         data = cache.knowledge(fingerprint.code_key(target)) if cache is not None else None
     except Exception as e:  # a target the fingerprint cannot read: no cache for it, never an error
