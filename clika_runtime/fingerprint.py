@@ -66,7 +66,7 @@ def code_key(target: Target) -> str:
 
 def warm(target: Target) -> None:
     """Hash the target's weights now (one thread), so a ``function_key`` soon after finds them
-    hashed: started beside a function's first eager call, which it overlaps."""
+    hashed: run beside a capture's eager call, which it overlaps (``restore.ahead``)."""
     with TARGETS.shared():
         tensors = [t for _, t in _tensors(target)]
     for tensor in tensors:
