@@ -155,7 +155,7 @@ def _build(
         started = time.perf_counter()
         fusing.fuse(exported, folder)
         if exporters.model_bytes(exported) < fusing.MEASURED_BELOW:
-            fusing.keep_if_faster(folder, place, call.names, call.feeds, _threads())
+            fusing.keep_if_faster(folder, place, call.names, call.feeds, config.session_threads())
         phases["fuse"] = time.perf_counter() - started
     made = Made(plan, eager_out, folder, guard, list(exported.graph_leaves), dict(exported.constants), scalar_out,
                 names, baked, outputs, phases)
@@ -227,7 +227,7 @@ def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: b
     """The session of the file a folder serves (``GraphFolder.served``); ``CaptureError`` when
     onnxruntime takes neither the fused nor the portable graph."""
     optimized = folder.optimized(serving.machine_tag(place))
-    threads = _threads()
+    threads = config.session_threads()
 
     def opened(path: Any, level: bool | None, keep: Any = None) -> Any:
         return serving.open_session(str(path), place, optimize=level, intra_op_threads=threads, keep_optimized=keep)
@@ -245,11 +245,6 @@ def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: b
         return opened(folder.model, optimize, keep)
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
         raise CaptureError(f"onnxruntime could not load the exported graph: {hints.first_line(e)}") from e
-
-
-def _threads() -> int:
-    """onnxruntime's intra-op threads: the configured count, else torch's."""
-    return config.intra_op_threads or torch.get_num_threads()
 
 
 def examples(feeds: Sequence[Any]) -> tuple[Example, ...]:

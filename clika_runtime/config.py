@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,12 @@ class Config:
     tolerances: dict[str, tuple[float, float]] = field(default_factory=_default_tolerances)
     cache_dir: str | os.PathLike | None = AUTO
     cache_max_bytes: int = 4 * 2**30
+
+    def session_threads(self) -> int | None:
+        """onnxruntime's intra-op threads now: ``intra_op_threads``, else torch's count where torch
+        is loaded, else ``None`` (onnxruntime's default)."""
+        torch = sys.modules.get("torch")
+        return self.intra_op_threads or (torch.get_num_threads() if torch is not None else None)
 
     def cache_path(self) -> Path | None:
         """The cache directory ``cache_dir`` means now (read when a cache is needed, not at import)."""

@@ -43,7 +43,7 @@ def fuse(exported: exporters.ExportedGraph, folder: graph_mod.GraphFolder) -> No
 
 
 def keep_if_faster(folder: graph_mod.GraphFolder, place: serving.Place, names: Sequence[str], feeds: Sequence[Any],
-                   threads: int) -> None:
+                   threads: int | None) -> None:
     """Drop the fused graph of a small CPU capture unless it runs faster than the portable one on
     ``feeds`` (the capture's call). Anything that stops the timing keeps the files as they are."""
     if folder.served == folder.model or place.primary != "CPUExecutionProvider":

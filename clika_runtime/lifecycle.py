@@ -50,11 +50,10 @@ class Lifecycle:
         self.table = table
 
     def reset(self) -> None:
-        """A fresh table of a new generation: captures still in progress will not be installed.
-        Weights are hashed again for the disk cache: a reset often follows a write it cannot see."""
+        """A fresh table of a new generation: captures still in progress will not be installed."""
         with self.lock:
             self.table = fresh(self.table.generation + 1)
-        restore.forget(self.target)
+        restore.forget(self.target)  # the weights hashed again: a reset often follows a write no one sees
         memory.give_back()
 
     # ---------------------------------------------------------------------------------- the miss
@@ -96,11 +95,10 @@ class Lifecycle:
         """Before a function's first capture: what an earlier process learned about it (read
         outside the lock: disk I/O), so its first capture is planned as the last one was."""
         knowledge = restore.recall(self.target)
-        if knowledge is None:
-            return
         with self.lock:
-            if self.table.last is None and self.table.state is State.Pending and not self.table.knowledge.learned:
-                self.table = replace(self.table, knowledge=knowledge)
+            table = self.table
+            if knowledge is not None and table.last is None and table.state is State.Pending and not table.knowledge.learned:
+                self.table = replace(table, knowledge=knowledge)
 
     def _decide(self, args: tuple, kwargs: dict) -> tuple[Decision, Call | None, int]:
         table = self.table

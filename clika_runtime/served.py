@@ -8,7 +8,6 @@ in-process capture enforced (sizes, ranges, size conditions, lifted-number range
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -238,7 +237,7 @@ def tensor_info(value: Any) -> TensorInfo:
 
 def _open(model: bytes | str, place: serving.Place, where: str) -> Any:
     try:
-        return serving.open_session(model, place, intra_op_threads=_threads())
+        return serving.open_session(model, place, intra_op_threads=config.session_threads())
     except serving.ProviderMissing as e:
         raise PlaceError(str(e)) from e
     except Exception as e:  # onnxruntime raises its own types for protobuf parse failures
@@ -263,8 +262,3 @@ def _resolve_place(place: PlaceLike) -> serving.Place:
         return serving.resolve(place)
     except ValueError as e:
         raise PlaceError(str(e)) from e
-
-
-def _threads() -> int | None:
-    torch = sys.modules.get("torch")
-    return config.intra_op_threads or (torch.get_num_threads() if torch is not None else None)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-import onnx
 import onnx_ir as ir
 import torch
 from torch.export import Dim
