@@ -136,6 +136,7 @@ class CompiledFunction(Generic[P, R]):
                 return self._lifecycle.run_failed(failed, args, kwargs)
             if out is not _MISS:
                 return out
+        table = flat = None  # a re-capture may supersede its captures: their memory goes with it, not later
         return self._lifecycle.miss(args, kwargs)
 
     # --------------------------------------------------------------------------------- public state

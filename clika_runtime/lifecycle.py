@@ -182,7 +182,7 @@ class Lifecycle:
             table = without(table, table.captures, pending=None)
         knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
                             unliftable=attempt.unliftable)
-        superseded = [c for c in plan.replaces if _covers(capture, c)]
+        superseded = [c for ref in plan.replaces if (c := ref()) is not None and _covers(capture, c)]
         for note in attempt.notes:
             logger.info("capture of %s: %s", self.target.name, note)
         if plan.reason is not None:

@@ -7,6 +7,7 @@ sizes 0/1, capture (first, new key, drift, a branch's other side), or give up (t
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
@@ -122,8 +123,9 @@ class Eager:
 class CapturePlan:
     """Capture from this call: the dynamic axes to ask the exporter for, why, and where it goes.
 
-    ``reason`` is ``None`` for the first capture since ``reset()``; ``replaces`` holds the captures
-    the new one may supersede (those whose calls its guard accepts); ``variant`` marks a graph
+    ``reason`` is ``None`` for the first capture since ``reset()``; ``replaces`` points (weakly: a
+    capture the table drops meanwhile must free its session, not wait for this plan) at the
+    captures the new one may supersede (those whose calls its guard accepts); ``variant`` marks a graph
     for sizes or a branch side another capture of the key does not serve: it joins the key's
     captures, teaches nothing about the function's dynamic axes, and when it cannot be exported
     dynamic it is exported static, alone.
@@ -142,7 +144,7 @@ class CapturePlan:
     dynamic: tuple[dict[int, str | None], ...]
     declared: tuple[dict[int, str | None], ...]
     reason: str | None
-    replaces: tuple["Capture", ...] = ()
+    replaces: tuple[weakref.ref["Capture"], ...] = ()
     variant: bool = False
     untied: frozenset[frozenset[tuple[str, int]]] = frozenset()
     ties: tuple[tuple[tuple[int, int], ...], ...] = field(init=False, default=())
@@ -254,7 +256,8 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     reasons = [f"shape drift: input '{p.input}' axis {p.axis}: {p.expected} -> {p.got}" if p.kind == "size" else str(p)
                for p in problems]
     untied = table.knowledge.untied | _split(capture, problems, call)
-    plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(variants), untied=untied)
+    plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
+                       untied=untied)
     return _budgeted(table, plan, options)
 
 

@@ -98,12 +98,16 @@ def _call(*args, options=Options(), knowledge=Knowledge(), **kwargs):
     return Call(CallForms(target), args, kwargs, None, knowledge, options)
 
 
+class _Capture(SimpleNamespace):
+    """What the planner reads of a capture (a plan points at captures weakly, as at real ones)."""
+
+
 def _capture(call, shape, ranges=(), conditions=(), verified=(), dynamic=None):
     rules = tuple(InputRule(n, "float32", s) for n, s in zip(call.names, shape))
-    return SimpleNamespace(key=call.key, guard=Guard(rules, ranges, conditions, verified, device="cpu",
-                                                     verify_small=True),
-                           dynamic=dynamic or tuple({} for _ in call.names), described=call.described,
-                           example=(), stats=SimpleNamespace(last_use=0.0))
+    return _Capture(key=call.key, guard=Guard(rules, ranges, conditions, verified, device="cpu",
+                                              verify_small=True),
+                    dynamic=dynamic or tuple({} for _ in call.names), described=call.described,
+                    example=(), stats=SimpleNamespace(last_use=0.0))
 
 
 def _table(*captures, recaptures=0, knowledge=Knowledge()):
