@@ -1,7 +1,8 @@
 """Fingerprints for the on-disk capture cache: what decides a graph, as a hex digest.
 
 A function's fingerprint covers its code (the target's function, or every submodule class's
-``forward`` with the module's plain attributes and config), the content of its weights, buffers
+``forward`` with the module's plain attributes and config; the files that code is written in and
+the plain values of the globals it names), the content of its weights, buffers
 and closed-over tensors, the compile options, and the versions of the libraries that make the
 graph. A capture's fingerprint adds the call key and the plan (dynamic axes, tied axes, lifted
 numbers, the sizes of static axes). These are "as far as cheaply knowable": a cached graph is
@@ -14,6 +15,7 @@ instructions), several tensors at once when there is much to hash: hashlib relea
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -25,6 +27,7 @@ from typing import Any, Iterable
 
 import torch
 
+from clika_runtime import pystate
 from clika_runtime.graph import VERSION
 from clika_runtime.planning import CapturePlan
 from clika_runtime.sharing import TARGETS
@@ -35,6 +38,7 @@ from clika_runtime.weights import closure_tensors
 # tensors compare elementwise, so they cannot be dictionary keys by value.
 _DIGESTS: dict[int, tuple[weakref.ref, tuple, str]] = {}
 _LIBRARIES = ("torch", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "transformers")
+_KEYED = frozenset(name.replace("-", "_") for name in _LIBRARIES) | {"builtins"}  # their code: by version
 # Past this many bytes of tensors, they are hashed on several threads (BERT-base: 440 MB, 0.24 s on one).
 _PARALLEL_BYTES = 64 * 2**20
 
@@ -57,7 +61,7 @@ def code_key(target: Target) -> str:
     before the first call without hashing the weights."""
     digest = hashlib.sha256()
     with TARGETS.shared():
-        for part in (_versions(), _options(target), _code(target.fn)):
+        for part in (_versions(), _options(target), _code(target.fn), _sources(target.fn)):
             digest.update(part.encode())
         for name, tensor in _tensors(target):
             digest.update(f"{name}:{tensor.dtype}{tuple(tensor.shape)}".encode())
@@ -181,6 +185,55 @@ def _module(module: torch.nn.Module) -> str:
             continue
         attributes.append(f"{key}={_plain(value)}")
     return f"{cls.__module__}.{cls.__qualname__}[{_function(cls.forward)}]({','.join(attributes)})"
+
+
+def _sources(fn: Any) -> str:
+    """The files the call's code is written in, by content, with its classes' methods and the
+    plain values of the globals they (or the function) name: an edited constant or helper method
+    changes what the graph computes, not the forward's bytecode. Code typed into a notebook has
+    no file: the methods and values stand in. torch's own code is keyed by its version."""
+    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    modules = list(owner.modules()) if isinstance(owner, torch.nn.Module) else []
+    classes = {c for m in modules for c in type(m).__mro__ if _ours(c)}
+    functions = [f for c in classes for f in vars(c).values() if isinstance(f, types.FunctionType) and _ours(f)]
+    if isinstance(inner := getattr(fn, "__func__", fn), types.FunctionType):
+        functions.append(inner)
+    named = {(f.__module__, n): f.__globals__[n] for f in functions
+             for n in pystate.global_names(f.__code__) if n in f.__globals__}
+    files = {_file(c) for c in classes} | {_file(f) for f in functions}
+    files |= {_file(v) for v in named.values() if isinstance(v, (type, types.FunctionType)) and _ours(v)}
+    values = sorted(f"{m}.{n}={_plain(v)}" for (m, n), v in named.items()
+                    if not isinstance(v, (type, types.FunctionType, types.ModuleType)))
+    methods = sorted(_function(f) for f in functions)
+    return "|".join(values + methods + [f"{path}:{_file_digest(path)}" for path in sorted(p for p in files if p)])
+
+
+def _ours(code: Any) -> bool:
+    """Code whose changes the versions do not key: not the libraries in them, not Python's own."""
+    package = (getattr(code, "__module__", None) or "").split(".")[0]
+    return package not in _KEYED and package not in sys.stdlib_module_names
+
+
+def _file(code: Any) -> str | None:
+    """Where a class or function is written, if in a file."""
+    if isinstance(code, types.FunctionType):
+        return code.__code__.co_filename
+    return getattr(sys.modules.get(code.__module__), "__file__", None)
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest_at(path: str, stamp: tuple[int, int]) -> str:
+    with open(path, "rb") as source:
+        return hashlib.sha256(source.read()).hexdigest()[:24]
+
+
+def _file_digest(path: str) -> str:
+    """A file's content digest (read again only when its time or size moves); '' for none."""
+    try:
+        stat = os.stat(path)
+        return _file_digest_at(path, (stat.st_mtime_ns, stat.st_size))
+    except OSError:  # "<stdin>", "<string>", a file deleted since: its code's values stand in
+        return ""
 
 
 def _plain(value: Any, depth: int = 4) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import stat
 import subprocess
@@ -109,6 +110,65 @@ def test_what_decides_the_graph_is_in_the_key(change, monkeypatch):
     else:
         monkeypatch.setattr(fingerprint, "_versions", lambda: "torch 99")
         assert _exported(_capture(model, x))
+
+
+EDITED = textwrap.dedent("""
+    import torch
+
+    CLAMP = {clamp}
+
+    class Clamped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.linear = torch.nn.Linear(4, 4)
+
+        def act(self, x):
+            return x.clamp(min={floor})
+
+        def forward(self, x):
+            return self.act(self.linear(x)).clamp(max=CLAMP)
+""")
+
+
+def _edited(folder: Path, clamp: float, floor: float, stamp: int) -> torch.nn.Module:
+    """The model of a file as it is after an edit (a fresh import, as a later process makes)."""
+    path = folder / "edited_model.py"
+    path.write_text(EDITED.format(clamp=clamp, floor=floor))
+    os.utime(path, ns=(stamp, stamp))  # edits within one clock tick still differ in time
+    spec = importlib.util.spec_from_file_location("edited_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Clamped().eval()
+
+
+@pytest.mark.parametrize("edit", [(0.5, -1.0), (1.0, -0.5)], ids=["a global constant", "a helper method"])
+def test_an_edit_to_the_models_file_is_a_new_graph(tmp_path, edit):
+    # forward's bytecode stays the same: a small first call (inside every clamp) would verify a
+    # graph cached before the edit, and later calls would be served the old clamps.
+    warm, wide = torch.full((2, 4), 0.01), torch.linspace(-4, 4, 8).reshape(2, 4)
+    _capture(_edited(tmp_path, 1.0, -1.0, 10**18), warm)
+    model = _edited(tmp_path, *edit, 2 * 10**18)
+    f = _capture(model, warm)
+    assert _exported(f)
+    with torch.no_grad():
+        torch.testing.assert_close(f(wide), model(wide))
+
+
+_LIMIT = 1.0
+
+
+def _limited(x):
+    return x.clamp(max=_LIMIT)
+
+
+def test_a_plain_global_value_the_code_reads_is_in_the_key(monkeypatch):
+    # Code typed into a notebook has no file to digest: the values it names stand in.
+    _capture(_limited, torch.zeros(2))
+    monkeypatch.setattr(sys.modules[__name__], "_LIMIT", 0.5)
+    f = _capture(_limited, torch.zeros(2))  # zeros: under either limit, the old graph would verify
+    assert _exported(f)
+    torch.testing.assert_close(f(torch.full((2,), 3.0)), torch.full((2,), 0.5))
 
 
 class _Table(torch.nn.Module):
