@@ -133,6 +133,7 @@ def _build(
 ) -> Capture:
     phases: dict[str, float] = {}
     call = plan.call
+    trees.adopt(eager_out)  # a dataclass of tensors returned: a node, as it is passed in
     eager_leaves, out_spec = trees.flatten(eager_out)
     hints.check_inputs(call.feeds, call.names)
     hints.check_outputs(eager_leaves)

@@ -15,6 +15,7 @@ import types
 from math import copysign
 from typing import Any, Hashable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 _Tensor = torch.Tensor
@@ -43,6 +44,7 @@ _NAN = ("nan",)
 # Leaves keyed by their type and value as they are: immutable, compared by value.
 _PLAIN = frozenset({type(None), bool, int, str, bytes, complex, type(Ellipsis), range, torch.dtype, torch.device,
                     torch.Size, torch.layout, torch.memory_format})
+_NUMPY_SCALARS = (np.generic,)
 # Code and classes: immutable in practice, so identity is their value (as torch.compile guards them).
 _BY_IDENTITY = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
                 types.BuiltinMethodType)
@@ -70,7 +72,9 @@ def static_value(leaf: Any) -> Hashable:
         raise Unkeyable(str(leaf))
     if isinstance(leaf, (_Tensor, torch.nn.Module)):
         raise Unkeyable(f"a {kind.__name__} passed where only tensor leaves feed the graph")
-    if kind.__hash__ is None:
+    if isinstance(leaf, _NUMPY_SCALARS):  # np.float32(0.7): a number, keyed as one with its type
+        return (kind, static_value(leaf.item()))
+    if kind.__hash__ is None and not dataclasses.is_dataclass(leaf):  # (a mutable dataclass: its snapshot)
         raise Unkeyable(f"static input leaf of unhashable type {kind.__name__} cannot key a capture")
     return ("snapshot", kind, _snapshot(leaf, _SNAPSHOT_DEPTH))
 

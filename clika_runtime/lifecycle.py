@@ -105,7 +105,7 @@ class Lifecycle:
         if table.state is State.Fallback:
             return Eager(), None, table.generation
         kvcache.register()  # KV-cache classes flatten through their adapter (before torch's registry is mirrored)
-        trees.sync_registry()  # node types registered since the last miss flatten from now on
+        trees.sync_registry((args, kwargs))  # new node types, and this call's containers of tensors
         table = self.table = staleness.checked(table, self.target)
         target = self.target
         try:

@@ -8,10 +8,11 @@ registry users already know is the one we follow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import keyword
 import re
-from collections import OrderedDict, defaultdict, deque
+from collections import OrderedDict, UserDict, defaultdict, deque
 from typing import Any, Callable, Sequence
 
 import optree
@@ -52,8 +53,56 @@ _mirrored: set[type] = set()
 flatten = functools.partial(optree.tree_flatten, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def sync_registry() -> None:
-    """Mirror node types newly registered with torch's pytree into our namespace."""
+def sync_registry(call: Any = ()) -> None:
+    """Mirror node types newly registered with torch's pytree into our namespace; then adopt the
+    containers of tensors among ``call``'s leaves (``adopt``)."""
+    _mirror()
+    adopt(call)
+
+
+def adopt(tree: Any) -> None:
+    """Register in our namespace the dataclass and ``UserDict`` types among ``tree``'s leaves that
+    hold tensors (a ``Batch`` dataclass, the tokenizer's ``BatchEncoding``): their tensors then
+    feed the graph as a dict's would, where the whole object would be one static leaf that
+    cannot key a capture (every call eager)."""
+    while new := {type(leaf) for leaf in flatten(tree)[0] if _holds_tensors(leaf)}:
+        for cls in new:
+            own(cls, *_container_functions(cls))
+
+
+def _holds_tensors(leaf: Any) -> bool:
+    import torch
+
+    if type(leaf) in _mirrored or not (isinstance(leaf, UserDict) or _dataclass_instance(leaf)):
+        return False
+    fields = list(leaf.data.values()) if isinstance(leaf, UserDict) else \
+        [getattr(leaf, f.name) for f in dataclasses.fields(leaf)]
+    return any(isinstance(x, torch.Tensor) for x in flatten(fields)[0])
+
+
+def _dataclass_instance(leaf: Any) -> bool:
+    return dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
+
+
+def _container_functions(cls: type) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]:
+    """optree's flatten and unflatten for an adopted type: a ``UserDict`` by its items, a
+    dataclass by its constructor's fields (rebuilt through the constructor, as torch's
+    ``register_dataclass`` does)."""
+    if issubclass(cls, UserDict):
+        def flatten_items(obj: Any) -> tuple[list[Any], tuple, tuple]:
+            keys = tuple(obj.data)
+            return [obj.data[k] for k in keys], keys, keys
+
+        return flatten_items, lambda keys, children: cls(dict(zip(keys, children)))
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    def flatten_fields(obj: Any) -> tuple[list[Any], tuple, tuple]:
+        return [getattr(obj, n) for n in names], names, names
+
+    return flatten_fields, lambda _, children: cls(**dict(zip(names, children)))
+
+
+def _mirror() -> None:
     try:
         from torch.utils import _pytree
     except ImportError:  # torch-free serving: only builtin containers

@@ -6,9 +6,11 @@ import collections
 import dataclasses
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as torch_pytree
+from transformers import BatchEncoding
 from transformers.modeling_outputs import BaseModelOutput
 
 import clika_runtime as cr
@@ -87,6 +89,64 @@ def test_non_tensor_output_leaves_are_returned():
     torch.testing.assert_close(out["y"], torch.full((2,), 2.0))
     assert list(out) == ["y", "tag", "none", "n"]
 
+
+
+# ------------------------------------------------- containers of tensors torch's registry does not know
+
+
+@dataclasses.dataclass
+class Unregistered:
+    ids: torch.Tensor
+    scale: float = 2.0
+
+
+class Features(collections.UserDict):
+    """A ``UserDict``, as the tokenizer's ``BatchEncoding`` is."""
+
+
+def _ids(batch):
+    return batch.ids * batch.scale if isinstance(batch, Unregistered) else batch["ids"] * 2
+
+
+@pytest.mark.parametrize("make", [lambda ids: Unregistered(ids), lambda ids: Features(ids=ids),
+                                  lambda ids: BatchEncoding({"ids": ids})], ids=["dataclass", "UserDict", "BatchEncoding"])
+def test_unregistered_containers_of_tensors_feed_the_graph(make):
+    # They were one static leaf that cannot key a capture: every call eager, for good.
+    target = Counted(_ids)
+    f = cr.compile(target)
+    f(make(t(3)))
+    assert f.state is cr.CompiledFunction.State.Compiled and f.input_names == ["batch_ids"]
+    calls, ids = target.calls, t(3)
+    torch.testing.assert_close(f(make(ids)), ids * 2)
+    assert target.calls == calls
+
+
+def test_an_unregistered_dataclass_of_tensors_is_returned_rebuilt():
+    f = cr.compile(lambda x: Unregistered(x + 1, scale=3.0))
+    f(t(2))
+    out = f(torch.zeros(2))
+    assert f.state is cr.CompiledFunction.State.Compiled
+    assert type(out) is Unregistered and out.scale == 3.0
+    torch.testing.assert_close(out.ids, torch.ones(2))
+
+
+@dataclasses.dataclass
+class Settings:
+    scale: float = 2.0
+
+
+@pytest.mark.parametrize("value, other", [(Settings(), Settings(3.0)), (np.float32(0.5), np.float32(0.25)),
+                                          (np.int64(3), np.int64(4))], ids=["mutable dataclass", "np.float32", "np.int64"])
+def test_static_configs_and_numpy_scalars_key_by_value(value, other):
+    target = Counted(lambda x, s: x * (s.scale if isinstance(s, Settings) else s))
+    f = cr.compile(target)
+    x = t(3)
+    f(x, value)
+    calls = target.calls
+    torch.testing.assert_close(f(x, value), target.fn(x, value))
+    assert target.calls == calls and f.state is cr.CompiledFunction.State.Compiled
+    torch.testing.assert_close(f(x, other), target.fn(x, other))
+    assert f.recapture_count == 1
 
 
 # ----------------------------------------------------------------- output rebuild without the constructor
