@@ -104,6 +104,7 @@ def _container_functions(cls: type) -> tuple[Callable[[Any], Any], Callable[[Any
 
 def _mirror() -> None:
     try:
+        import torch
         from torch.utils import _pytree
     except ImportError:  # torch-free serving: only builtin containers
         return
@@ -111,9 +112,9 @@ def _mirror() -> None:
         if not isinstance(cls, type) or cls in _mirrored or cls in _NATIVE or optree.is_structseq_class(cls):
             continue
         _mirrored.add(cls)
-        optree.register_pytree_node(
-            cls, _flatten_with_entries(node), _unflatten(node.unflatten_fn), namespace=NAMESPACE
-        )
+        # torch's pytree rebuilds a torch.Size as a plain tuple; eager returns the Size (``.numel()``)
+        rebuild = (lambda children, _: torch.Size(children)) if cls is torch.Size else node.unflatten_fn
+        optree.register_pytree_node(cls, _flatten_with_entries(node), _unflatten(rebuild), namespace=NAMESPACE)
 
 
 def own(cls: type, flatten_fn: Callable[[Any], Any], unflatten_fn: Callable[[Any, Any], Any]) -> None:

@@ -91,6 +91,14 @@ def test_non_tensor_output_leaves_are_returned():
 
 
 
+def test_a_size_returned_from_a_dynamic_graph_is_a_torch_size():
+    f = cr.compile(lambda x: (x.sum(0), x.size()))
+    for rows in (3, 5, 7):  # 5 drifts: axis 0 dynamic, its size a graph output
+        out = f(t(rows, 4))
+    assert f.state is cr.CompiledFunction.State.Compiled and f.recapture_count == 1
+    assert type(out[1]) is torch.Size and out[1] == (7, 4) and out[1].numel() == 28
+
+
 # ------------------------------------------------- containers of tensors torch's registry does not know
 
 
