@@ -189,7 +189,8 @@ def _module(module: torch.nn.Module) -> str:
 
 def _sources(fn: Any) -> str:
     """The files the call's code is written in, by content, with its classes' methods and the
-    plain values of the globals they (or the function) name: an edited constant or helper method
+    plain values of the globals they (or the function) name and it closes over (a setting given to
+    a factory varies between runs of one file): an edited constant or helper method
     changes what the graph computes, not the forward's bytecode. Code typed into a notebook has
     no file: the methods and values stand in. torch's own code is keyed by its version."""
     owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
@@ -198,14 +199,22 @@ def _sources(fn: Any) -> str:
     functions = [f for c in classes for f in vars(c).values() if isinstance(f, types.FunctionType) and _ours(f)]
     if isinstance(inner := getattr(fn, "__func__", fn), types.FunctionType):
         functions.append(inner)
+        functions += [v for _, v in _closure(inner) if isinstance(v, types.FunctionType)]  # helpers it closes over
     named = {(f.__module__, n): f.__globals__[n] for f in functions
              for n in pystate.global_names(f.__code__) if n in f.__globals__}
+    named |= {(f.__qualname__, n): v for f in functions for n, v in _closure(f)}  # make_predict(clamp)'s clamp
     files = {_file(c) for c in classes} | {_file(f) for f in functions}
     files |= {_file(v) for v in named.values() if isinstance(v, (type, types.FunctionType)) and _ours(v)}
     values = sorted(f"{m}.{n}={_plain(v)}" for (m, n), v in named.items()
                     if not isinstance(v, (type, types.FunctionType, types.ModuleType)))
     methods = sorted(_function(f) for f in functions)
     return "|".join(values + methods + [f"{path}:{_file_digest(path)}" for path in sorted(p for p in files if p)])
+
+
+def _closure(fn: types.FunctionType) -> list[tuple[str, Any]]:
+    """The variables a function closes over, by name, but empty cells."""
+    cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
+    return [(name, cell.cell_contents) for name, cell in cells if pystate.filled(cell)]
 
 
 def _ours(code: Any) -> bool:

@@ -308,7 +308,7 @@ def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
     parts = [Part(f"{fn.__qualname__}'s", fn, ("__defaults__", "__kwdefaults__", "__code__"),
                   operator.attrgetter("__defaults__", "__kwdefaults__", "__code__"),
                   (_frozen(fn.__defaults__), _frozen(fn.__kwdefaults__), fn.__code__), None, variables=True)]
-    cells = tuple(c for c in fn.__closure__ or () if _filled(c))
+    cells = tuple(c for c in fn.__closure__ or () if filled(c))
     names = dict(zip((id(c) for c in fn.__closure__ or ()), fn.__code__.co_freevars))
     if cells:
         parts.append(_cells_part(cells, tuple(names[id(c)] for c in cells)))
@@ -395,7 +395,7 @@ def global_names(code: types.CodeType) -> Iterator[str]:
             yield from global_names(const)
 
 
-def _filled(cell: Any) -> bool:
+def filled(cell: Any) -> bool:
     try:
         cell.cell_contents
     except ValueError:  # an empty cell (a name assigned after the function was made)

@@ -171,6 +171,21 @@ def test_a_plain_global_value_the_code_reads_is_in_the_key(monkeypatch):
     torch.testing.assert_close(f(torch.full((2,), 3.0)), torch.full((2,), 0.5))
 
 
+def _limited_at(limit):
+    def limited(x):
+        return x.clamp(max=limit)
+
+    return limited
+
+
+def test_a_plain_value_the_function_closes_over_is_in_the_key():
+    # One file, a factory called with the run's setting: the code is the same in both runs.
+    _capture(_limited_at(1.0), torch.zeros(2))
+    f = _capture(_limited_at(0.5), torch.zeros(2))
+    assert _exported(f)
+    torch.testing.assert_close(f(torch.full((2,), 3.0)), torch.full((2,), 0.5))
+
+
 class _Table(torch.nn.Module):
     """Reads a plain tensor attribute: the exporter bakes it like a buffer."""
 
