@@ -141,8 +141,12 @@ class Snapshot:
 
     def moved(self) -> frozenset[tuple[str, str]]:
         """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of
-        the target, what the target writes itself (``self.last_batch = ...``)."""
-        return frozenset((part.name, key) for part in self.parts for key in _differences(part))
+        the target, what the target writes itself (``self.last_batch = ...``). An entry that was
+        ``None`` is not one: a default the first call fills in (``config.problem_type``) stays
+        watched, for the user's own changes (a target that writes it on every call is found
+        writing it at its next eager call, which re-captures once)."""
+        return frozenset((part.name, key) for part in self.parts for key in _differences(part)
+                         if not (key in part.keys and part.values[part.keys.index(key)] is None))
 
 
 def modules_reached(fn: Any, owner: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:

@@ -312,6 +312,33 @@ def test_trap_state_the_target_writes_itself_is_not_a_change_of_state():
     assert any("'last_batch' written by the target itself" in note for note in f.capture_notes)
 
 
+class LazyMode(torch.nn.Module):
+    """Fills in a default on its first call, as HF's classification heads do with
+    ``config.problem_type``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = None
+
+    def forward(self, x):
+        if self.mode is None:
+            self.mode = "double"
+        return x * 2 if self.mode == "double" else x * 3
+
+
+def test_trap_a_default_the_first_call_fills_in_stays_watched():
+    # It was "written by the target itself" for good: the user's own change later was never seen.
+    model = LazyMode()
+    f = cr.compile(model)
+    x = torch.ones(2)
+    f(x)
+    torch.testing.assert_close(f(x), torch.full((2,), 2.0))
+    model.mode = "triple"
+    torch.testing.assert_close(f(x), torch.full((2,), 3.0))
+    torch.testing.assert_close(f(x), torch.full((2,), 3.0))
+    assert f.recapture_reasons == ["state changed: 'mode'"]
+
+
 class Counts(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
