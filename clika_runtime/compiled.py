@@ -193,14 +193,15 @@ class CompiledFunction(Generic[P, R]):
         self._lifecycle.reset()
 
     def take_graph(self) -> ModelGraph:
-        """Hand out (a copy of) the current capture's graph (``State.Compiled`` only).
+        """Hand out (a copy of) the current capture's graph (``State.Compiled`` only): of the
+        last used key's captures, the most dynamic one.
 
         The function then serves eagerly (``State.Fallback``) until ``reset()``; its captures
         and their sessions are released.
         """
         with self._lifecycle.lock:
             table = self._lifecycle.table
-            current = table.current()
+            current = table.to_ship()
             if table.state is not _COMPILED or current is None:
                 raise StateError(
                     f"take_graph() needs State.Compiled, but the function is in {table.state}: "

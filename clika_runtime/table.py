@@ -94,6 +94,14 @@ class CacheTable:
         captures = self.captures
         return max(captures, key=lambda c: c.stats.last_use) if captures else None
 
+    def to_ship(self) -> "Capture | None":
+        """The capture ``take_graph()`` hands out: of the most recently used key's captures, the
+        one with the most dynamic axes (a variant made for size 1 serves size 1 alone)."""
+        current = self.current()
+        if current is None:
+            return None
+        return max(self.entries[current.key], key=lambda c: (sum(map(len, c.dynamic)), c.stats.last_use))
+
 
 def fresh(generation: int) -> CacheTable:
     """The table of a function with nothing captured."""

@@ -161,6 +161,24 @@ def test_broken_files_give_clear_errors(shipped, tmp_path):
         cr.load(ext)
 
 
+def _spread(x):
+    if x.shape[0] > 1:
+        return x.std(0)
+    return torch.zeros_like(x[0])
+
+
+def test_take_graph_hands_out_the_general_graph_not_a_size_one_variant(tmp_path):
+    # The last warm-up call was batch 1: the graph last served was the batch-1 variant, which
+    # rejected every other batch once shipped.
+    f = cr.compile(_spread)
+    for rows in (4, 8, 6, 1):
+        f(torch.randn(rows, 3))
+    assert len(f.captures) == 2
+    f.take_graph().save(tmp_path / "model.onnx")
+    served, x = cr.load(tmp_path / "model.onnx"), torch.randn(5, 3)
+    torch.testing.assert_close(served(x), _spread(x))
+
+
 def test_plain_onnx_from_elsewhere_loads_flat_by_name(tmp_path):
     from onnx import TensorProto, helper
 
