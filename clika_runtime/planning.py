@@ -275,7 +275,9 @@ def _split(capture: "Capture", problems: Sequence[Any], call: Call) -> frozenset
 def _budgeted(table: CacheTable, plan: CapturePlan, options: Options) -> Decision:
     limit = config.recapture_limit
     if plan.reason is not None and table.recaptures >= limit:
-        return GiveUp(f"re-capture limit ({limit}) reached; last: {plan.reason}")
+        hint = ("; a number that varies between calls feeds the graph when passed as a tensor "
+                "(torch.tensor(value))") if plan.reason.startswith("static value changed") else ""
+        return GiveUp(f"re-capture limit ({limit}) reached; last: {plan.reason}{hint}")
     return plan
 
 

@@ -53,6 +53,16 @@ def test_a_structure_change_names_the_argument_that_appeared():
     assert f.recapture_reasons == ["new structure: 'mask' appeared"]
 
 
+def test_a_float_that_varies_on_every_call_is_told_to_come_as_a_tensor(monkeypatch):
+    monkeypatch.setattr(cr.config, "recapture_limit", 2)
+    f = cr.compile(lambda x, sigma: x * sigma)
+    with pytest.warns(UserWarning, match=r"re-capture limit \(2\) reached; last: static value changed: "
+                                         r"'sigma' 0.3 -> 0.4; .* as a tensor \(torch.tensor\(value\)\)"):
+        for sigma in (0.1, 0.2, 0.3, 0.4):
+            f(torch.ones(2), sigma)
+    assert f.state is cr.CompiledFunction.State.Fallback
+
+
 def test_a_miss_is_explained_against_the_closest_key_not_the_last():
     f = cr.compile(lambda x, mode: x + 1 if mode == "a" else x - 1)
     f(torch.ones(2), "a")
