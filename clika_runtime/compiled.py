@@ -7,6 +7,7 @@ outside it (``lifecycle``), and swaps in the table that results. Nothing else li
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any, Callable, Generic, Mapping, ParamSpec, Sequence, TypeVar
 
@@ -108,6 +109,9 @@ class CompiledFunction(Generic[P, R]):
             graph_name=graph_name or _default_name(target),
             name=getattr(target, "__name__", type(target).__name__),
         )
+        self._options = {"signature": signature, "dynamic": dynamic, "fullgraph": fullgraph, "optimize": optimize,
+                         "specialize": specialize, "place": place, "dynamic_axes": dynamic_axes,
+                         "output_names": output_names, "graph_name": graph_name}  # for copies
         self._lifecycle = lifecycle.Lifecycle(wrapped, threading.RLock())
         self._forms = wrapped.forms
         self._owner = owner
@@ -211,12 +215,26 @@ class CompiledFunction(Generic[P, R]):
             self._lifecycle.swap(fallen_back(table, "graph taken by take_graph(); serving eagerly until reset()"))
             return graph
 
+    def __deepcopy__(self, memo: dict) -> "CompiledFunction[P, R]":
+        """A fresh function (nothing captured) over a deep copy of the target, with the same
+        options: a copied model (an EMA or teacher copy) captures its own weights."""
+        return CompiledFunction(copy.deepcopy(self.__wrapped__, memo), **self._options)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the target and the options; unpickled fresh, nothing captured (graphs
+        ship with ``take_graph()``)."""
+        return _compiled_again, (self.__wrapped__, self._options)
+
     def __repr__(self) -> str:
         table: CacheTable = self._lifecycle.table
         return f"<CompiledFunction {self.__name__} {table.state.name}, {len(table.captures)} capture(s)>"
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def _compiled_again(target: Callable[..., Any], options: dict[str, Any]) -> CompiledFunction:
+    return CompiledFunction(target, **options)
 
 
 def _owner_module(target: Any) -> torch.nn.Module | None:

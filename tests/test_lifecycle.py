@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import pickle
 import weakref
 
 import onnxruntime as ort
@@ -279,3 +281,35 @@ def test_parameters_and_inputs_requiring_grad_are_served_under_no_grad():
         out = f(weight)
     torch.testing.assert_close(out, torch.full((2,), 2.0))
     assert not out.requires_grad and f.state is State.Compiled
+
+
+def _forward_compiled():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+    model.forward = cr.compile(model.forward, dynamic=True)
+    return model
+
+
+def test_a_model_with_a_compiled_forward_deep_copies_into_its_own_captures():
+    # An EMA or teacher copy: copy.deepcopy raised "cannot pickle '_thread.RLock' object".
+    model, x = _forward_compiled(), torch.randn(2, 4)
+    model(x)
+    twin = copy.deepcopy(model)
+    assert twin.forward.__wrapped__.__self__ is twin and twin.forward.state is State.Pending
+    with torch.no_grad():
+        twin[0].weight.mul_(2)
+        for size in (2, 2, 5):
+            x = torch.randn(size, 4)
+            torch.testing.assert_close(twin(x), twin[1](twin[0](x)))
+            torch.testing.assert_close(model(x), model[1](model[0](x)))
+    assert twin.forward.state is State.Compiled and model.forward.recapture_count == 0
+
+
+def test_compiled_functions_pickle_as_their_target_and_options():
+    model, x = _forward_compiled(), torch.randn(2, 4)
+    model(x)
+    again = pickle.loads(pickle.dumps(model))
+    assert again.forward.state is State.Pending and again.forward.__wrapped__.__self__ is again
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model(x))
+        assert again(torch.randn(3, 4)).shape == (3, 4)
+    assert again.forward.recapture_count == 0  # dynamic=True came along
