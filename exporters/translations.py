@@ -12,14 +12,21 @@ rows). torchlib fills boolean-masked scores with the dtype's lowest value instea
 softmax spreads such a row evenly over every key and the graph returns the mean of the values;
 with a float mask of -inf its softmax returns NaN: other numbers than eager's either way. Ours
 zeroes exactly those rows after torchlib's attention, which keeps its pattern for the fusions.
+
+Max and min (``amax``, ``max(dim)``, ``min()``...), max pooling and ``argmax``/``argmin``: torch
+propagates a NaN (the max of a window holding one is NaN, argmax points at the first NaN);
+onnxruntime's ReduceMax, MaxPool and ArgMax skip it, and a corrupt input was served plausible
+numbers. Ours puts the NaN back where the reduced or pooled input held one (integer inputs have
+none: torchlib's translation alone).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from onnxscript import ir
+from onnxscript.function_libs.torch_lib.ops import core, nn
 from onnxscript.function_libs.torch_lib.ops.core import aten_gather as _torchlib_gather
 from onnxscript.function_libs.torch_lib.ops.core import aten_index_select as _torchlib_index_select
 from onnxscript.function_libs.torch_lib.ops.nn import aten_scaled_dot_product_attention as _torchlib_sdpa
@@ -73,7 +80,109 @@ def _negative_past_end(index: Any, data: Any, axis: int) -> Any:
     return fixed
 
 
+_FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+
+
+def _nan_flags(x: Any) -> Any:
+    flags = op.Cast(op.IsNaN(x), to=ir.DataType.FLOAT)
+    flags.shape, flags.dtype = x.shape, ir.DataType.FLOAT  # what torchlib's pooling reads of its input
+    return flags
+
+
+def _any_nan(x: Any, axes: Sequence[int], keepdim: bool) -> Any:
+    """Whether ``x`` holds a NaN along ``axes`` (all axes when empty), reduced as the op reduces."""
+    axes_input = [op.Constant(value_ints=list(axes))] if axes else []
+    return op.Cast(op.ReduceMax(_nan_flags(x), *axes_input, keepdims=int(keepdim)), to=ir.DataType.BOOL)
+
+
+def _with_nan(found: Any, out: Any) -> Any:
+    return op.Where(found, op.CastLike(op.Constant(value_float=float("nan")), out), out)
+
+
+def _first_nan(x: Any, dim: int, keepdim: bool, index: Any) -> Any:
+    """``index`` (an argmax or argmin along ``dim``), pointing at the first NaN where there is one."""
+    flags = _nan_flags(x)
+    first = op.ArgMax(flags, axis=dim, keepdims=int(keepdim))
+    found = op.Cast(op.ReduceMax(flags, op.Constant(value_ints=[dim]), keepdims=int(keepdim)), to=ir.DataType.BOOL)
+    return op.Where(found, first, index)
+
+
+def _propagating_reduction(torchlib: Callable[..., Any]) -> Callable[..., Any]:
+    """``amax``/``amin`` (self, dim, keepdim): torchlib's, NaN where the reduced values hold one."""
+    def reduction(self: Any, dim: Sequence[int] = (), keepdim: bool = False) -> Any:
+        out = torchlib(self, dim, keepdim)
+        return _with_nan(_any_nan(self, dim, keepdim), out) if self.dtype in _FLOATS else out
+    return reduction
+
+
+def _propagating_full(torchlib: Callable[..., Any]) -> Callable[..., Any]:
+    """``max()``/``min()`` of every element: torchlib's, NaN when any element is."""
+    def reduction(self: Any) -> Any:
+        out = torchlib(self)
+        return _with_nan(_any_nan(self, (), False), out) if self.dtype in _FLOATS else out
+    return reduction
+
+
+def _propagating_dim(torchlib: Callable[..., Any]) -> Callable[..., Any]:
+    """``max(dim)``/``min(dim)``: values NaN and indices at the first NaN, as in torch."""
+    def reduction(self: Any, dim: int, keepdim: bool = False) -> Any:
+        values, indices = torchlib(self, dim, keepdim)
+        if self.dtype not in _FLOATS or len(self.shape) == 0:
+            return values, indices
+        return _with_nan(_any_nan(self, [dim], keepdim), values), _first_nan(self, dim, keepdim, indices)
+    return reduction
+
+
+def _propagating_arg(torchlib: Callable[..., Any]) -> Callable[..., Any]:
+    """``argmax``/``argmin``: the first NaN's index where there is one, as in torch."""
+    def reduction(self: Any, dim: int | None = None, keepdim: bool = False) -> Any:
+        out = torchlib(self, dim, keepdim)
+        if self.dtype not in _FLOATS or len(self.shape) == 0 or (dim is None and keepdim):
+            return out
+        if dim is None:
+            return _first_nan(op.Reshape(self, op.Constant(value_ints=[-1])), 0, False, out)
+        return _first_nan(self, dim, keepdim, out)
+    return reduction
+
+
+def _windows_with_nan(self: Any, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+                      dilation: Sequence[int], ceil_mode: bool) -> Any:
+    """Which max-pooling windows hold a NaN: the same pooling over the NaN flags."""
+    flags = nn.aten_max_pool2d(_nan_flags(self), kernel_size, stride, padding, dilation, ceil_mode)
+    return op.Cast(flags, to=ir.DataType.BOOL)
+
+
+def max_pool2d(self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0, 0),
+               dilation: Sequence[int] = (1, 1), ceil_mode: bool = False) -> Any:
+    """torchlib's max pooling, NaN for a window that holds one."""
+    out = nn.aten_max_pool2d(self, kernel_size, stride, padding, dilation, ceil_mode)
+    if self.dtype not in _FLOATS:
+        return out
+    return _with_nan(_windows_with_nan(self, kernel_size, stride, padding, dilation, ceil_mode), out)
+
+
+def max_pool2d_with_indices(self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (),
+                            padding: Sequence[int] = (0, 0), dilation: Sequence[int] = (1, 1),
+                            ceil_mode: bool = False) -> Any:
+    """torchlib's max pooling with indices, NaN values for a window that holds one (the indices
+    as torchlib has them)."""
+    out, indices = nn.aten_max_pool2d_with_indices(self, kernel_size, stride, padding, dilation, ceil_mode)
+    if self.dtype not in _FLOATS:
+        return out, indices
+    return _with_nan(_windows_with_nan(self, kernel_size, stride, padding, dilation, ceil_mode), out), indices
+
+
 TABLE: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.amax.default: _propagating_reduction(core.aten_amax),
+    torch.ops.aten.amin.default: _propagating_reduction(core.aten_amin),
+    torch.ops.aten.max.default: _propagating_full(core.aten_max),
+    torch.ops.aten.min.default: _propagating_full(core.aten_min),
+    torch.ops.aten.max.dim: _propagating_dim(core.aten_max_dim),
+    torch.ops.aten.min.dim: _propagating_dim(core.aten_min_dim),
+    torch.ops.aten.argmax.default: _propagating_arg(core.aten_argmax),
+    torch.ops.aten.argmin.default: _propagating_arg(core.aten_argmin),
+    torch.ops.aten.max_pool2d.default: max_pool2d,
+    torch.ops.aten.max_pool2d_with_indices.default: max_pool2d_with_indices,
     torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
     torch.ops.aten.embedding.default: embedding,
     torch.ops.aten.gather.default: gather,

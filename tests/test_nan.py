@@ -1,0 +1,55 @@
+"""A NaN in the input comes out where torch lets it out: max and min reductions, max pooling and
+argmax/argmin propagate it in torch; onnxruntime's kernels skip it, and a graph verified on clean
+inputs served plausible numbers for a corrupt one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import clika_runtime as cr
+
+
+class Pools(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.pool, self.fc = torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.MaxPool2d(2), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.pool(torch.relu(self.conv(x)))
+        logits = self.fc(h.amax(dim=(2, 3)))
+        values, where = h.max(1)
+        return {"logits": logits, "class": logits.argmax(-1), "low": logits.argmin(-1), "max": values,
+                "argmax": where, "min": h.min(), "amin": h.amin(1), "flat": h.flatten(1).argmax()}
+
+
+@pytest.fixture(scope="module")
+def served():
+    model = Pools().eval()
+    f = cr.compile(model)
+    with torch.no_grad():
+        f(torch.randn(2, 1, 8, 8))  # captured and verified on a clean input
+    return model, f
+
+
+@pytest.mark.parametrize("where", [(0, 0, 3, 3), (1, 0, 0, 7)])
+def test_a_nan_in_the_input_comes_out_as_in_torch(served, where):
+    model, f = served
+    x = torch.randn(2, 1, 8, 8)
+    x[where] = float("nan")
+    with torch.no_grad():
+        got, expected = f(x), model(x)
+    assert f.state is cr.CompiledFunction.State.Compiled and f.captures[0].hits >= 1
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], equal_nan=True, msg=name)
+    assert got["logits"][where[0]].isnan().all()
+
+
+def test_clean_inputs_are_untouched(served):
+    model, f = served
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        got, expected = f(x), model(x)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=name)
