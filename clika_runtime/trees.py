@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import keyword
 import re
+import threading
 from collections import OrderedDict, UserDict, defaultdict, deque
 from typing import Any, Callable, Sequence
 
@@ -47,6 +48,7 @@ keep_insertion_order(NAMESPACE)
 
 _NATIVE = (tuple, list, dict, OrderedDict, defaultdict, deque, type(None))
 _mirrored: set[type] = set()
+_REGISTERING = threading.RLock()  # misses of several functions register node types at once
 
 
 # tree -> (leaves, structure); None is a leaf. A partial, not a def: it is on every call's hot path.
@@ -66,8 +68,9 @@ def adopt(tree: Any) -> None:
     feed the graph as a dict's would, where the whole object would be one static leaf that
     cannot key a capture (every call eager)."""
     while new := {type(leaf) for leaf in flatten(tree)[0] if _holds_tensors(leaf)}:
-        for cls in new:
-            own(cls, *_container_functions(cls))
+        with _REGISTERING:  # another function's miss may adopt the same type meanwhile
+            for cls in new - _mirrored:
+                own(cls, *_container_functions(cls))
 
 
 def _holds_tensors(leaf: Any) -> bool:
@@ -108,26 +111,28 @@ def _mirror() -> None:
         from torch.utils import _pytree
     except ImportError:  # torch-free serving: only builtin containers
         return
-    for cls, node in list(_pytree.SUPPORTED_NODES.items()):
-        if not isinstance(cls, type) or cls in _mirrored or cls in _NATIVE or optree.is_structseq_class(cls):
-            continue
-        _mirrored.add(cls)
-        # torch's pytree rebuilds a torch.Size as a plain tuple; eager returns the Size (``.numel()``)
-        rebuild = (lambda children, _: torch.Size(children)) if cls is torch.Size else node.unflatten_fn
-        optree.register_pytree_node(cls, _flatten_with_entries(node), _unflatten(rebuild), namespace=NAMESPACE)
+    with _REGISTERING:
+        for cls, node in list(_pytree.SUPPORTED_NODES.items()):
+            if not isinstance(cls, type) or cls in _mirrored or cls in _NATIVE or optree.is_structseq_class(cls):
+                continue
+            _mirrored.add(cls)
+            # torch's pytree rebuilds a torch.Size as a plain tuple; eager returns the Size (``.numel()``)
+            rebuild = (lambda children, _: torch.Size(children)) if cls is torch.Size else node.unflatten_fn
+            optree.register_pytree_node(cls, _flatten_with_entries(node), _unflatten(rebuild), namespace=NAMESPACE)
 
 
 def own(cls: type, flatten_fn: Callable[[Any], Any], unflatten_fn: Callable[[Any, Any], Any]) -> None:
     """Register ``cls`` in our namespace with our own functions (optree's signatures), in place of
     any mirror of torch's registration, which ``sync_registry`` then leaves alone (KV caches:
     ``kvcache.py`` decides how they flatten, whatever torch's registry says)."""
-    if cls in _mirrored:
-        try:
-            optree.unregister_pytree_node(cls, namespace=NAMESPACE)
-        except ValueError:  # marked but never registered here
-            pass
-    _mirrored.add(cls)
-    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)
+    with _REGISTERING:
+        if cls in _mirrored:
+            try:
+                optree.unregister_pytree_node(cls, namespace=NAMESPACE)
+            except ValueError:  # marked but never registered here
+                pass
+        _mirrored.add(cls)
+        optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)
 
 
 def _flatten_with_entries(node: Any) -> Any:
