@@ -53,3 +53,21 @@ def test_clean_inputs_are_untouched(served):
         got, expected = f(x), model(x)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], msg=name)
+
+
+@pytest.mark.parametrize("pool, shape", [
+    (torch.nn.MaxPool2d(3, stride=2, padding=1), (1, 2, 9, 9)),
+    (torch.nn.MaxPool2d(2, ceil_mode=True), (1, 2, 7, 7)),
+    (torch.nn.MaxPool2d((2, 3), stride=(1, 2), dilation=2), (1, 2, 9, 9)),
+    (torch.nn.MaxPool2d(2), (2, 6, 6)),  # one image without a batch axis
+], ids=["padded", "ceil mode", "dilated", "unbatched"])
+def test_every_max_pooling_window_holding_a_nan_is_nan(pool, shape):
+    f = cr.compile(pool)
+    f(torch.randn(shape))
+    x = torch.randn(shape)
+    x[..., 0, 0] = float("nan")
+    x[..., -1, 4] = float("nan")
+    got = f(x)
+    assert f.state is cr.CompiledFunction.State.Compiled
+    torch.testing.assert_close(got, pool(x), equal_nan=True)
+    assert got.isnan().any()
