@@ -73,14 +73,15 @@ def adopt(tree: Any) -> None:
                 own(cls, *_container_functions(cls))
 
 
-def _holds_tensors(leaf: Any) -> bool:
+def _holds_tensors(leaf: Any, depth: int = 4) -> bool:
+    """A dataclass or ``UserDict`` holding tensors, or such containers that do (``depth`` levels)."""
     import torch
 
-    if type(leaf) in _mirrored or not (isinstance(leaf, UserDict) or _dataclass_instance(leaf)):
+    if depth == 0 or type(leaf) in _mirrored or not (isinstance(leaf, UserDict) or _dataclass_instance(leaf)):
         return False
     fields = list(leaf.data.values()) if isinstance(leaf, UserDict) else \
         [getattr(leaf, f.name) for f in dataclasses.fields(leaf)]
-    return any(isinstance(x, torch.Tensor) for x in flatten(fields)[0])
+    return any(isinstance(x, torch.Tensor) or _holds_tensors(x, depth - 1) for x in flatten(fields)[0])
 
 
 def _dataclass_instance(leaf: Any) -> bool:

@@ -113,17 +113,25 @@ class Features(collections.UserDict):
 
 
 def _ids(batch):
+    batch = batch.batch if isinstance(batch, Wrapper) else batch
     return batch.ids * batch.scale if isinstance(batch, Unregistered) else batch["ids"] * 2
 
 
+@dataclasses.dataclass
+class Wrapper:
+    batch: Unregistered
+
+
 @pytest.mark.parametrize("make", [lambda ids: Unregistered(ids), lambda ids: Features(ids=ids),
-                                  lambda ids: BatchEncoding({"ids": ids})], ids=["dataclass", "UserDict", "BatchEncoding"])
+                                  lambda ids: BatchEncoding({"ids": ids}), lambda ids: Wrapper(Unregistered(ids))],
+                         ids=["dataclass", "UserDict", "BatchEncoding", "nested"])
 def test_unregistered_containers_of_tensors_feed_the_graph(make):
     # They were one static leaf that cannot key a capture: every call eager, for good.
     target = Counted(_ids)
     f = cr.compile(target)
     f(make(t(3)))
-    assert f.state is cr.CompiledFunction.State.Compiled and f.input_names == ["batch_ids"]
+    name = "batch_batch_ids" if isinstance(make(t(1)), Wrapper) else "batch_ids"
+    assert f.state is cr.CompiledFunction.State.Compiled and f.input_names == [name]
     calls, ids = target.calls, t(3)
     torch.testing.assert_close(f(make(ids)), ids * 2)
     assert target.calls == calls
