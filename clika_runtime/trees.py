@@ -79,8 +79,7 @@ def _holds_tensors(leaf: Any, depth: int = 4) -> bool:
 
     if depth == 0 or type(leaf) in _mirrored or not (isinstance(leaf, UserDict) or _dataclass_instance(leaf)):
         return False
-    fields = list(leaf.data.values()) if isinstance(leaf, UserDict) else \
-        [getattr(leaf, f.name) for f in dataclasses.fields(leaf)]
+    fields = list(leaf.data.values()) if isinstance(leaf, UserDict) else [getattr(leaf, n) for n in _state(leaf)]
     return any(isinstance(x, torch.Tensor) or _holds_tensors(x, depth - 1) for x in flatten(fields)[0])
 
 
@@ -88,22 +87,36 @@ def _dataclass_instance(leaf: Any) -> bool:
     return dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
 
 
+def _state(obj: Any) -> tuple[str, ...]:
+    """A dataclass instance's attributes as set: ``init=False`` fields, what ``__post_init__`` made
+    (from an ``InitVar`` too), anything set since; its fields when it has no ``__dict__`` (slots)."""
+    state = getattr(obj, "__dict__", None)
+    return tuple(state) if state is not None else tuple(f.name for f in dataclasses.fields(obj))
+
+
 def _container_functions(cls: type) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]:
-    """optree's flatten and unflatten for an adopted type: a ``UserDict`` by its items, a
-    dataclass by its constructor's fields (rebuilt through the constructor, as torch's
-    ``register_dataclass`` does)."""
+    """optree's flatten and unflatten for an adopted type: a ``UserDict`` by its items (rebuilt
+    through its constructor), a dataclass by its attributes as set, rebuilt without running its
+    constructor: ``__post_init__`` run again on traced tensors or served outputs would change
+    them, and fields the constructor does not take would be lost."""
     if issubclass(cls, UserDict):
         def flatten_items(obj: Any) -> tuple[list[Any], tuple, tuple]:
             keys = tuple(obj.data)
             return [obj.data[k] for k in keys], keys, keys
 
         return flatten_items, lambda keys, children: cls(dict(zip(keys, children)))
-    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
-    def flatten_fields(obj: Any) -> tuple[list[Any], tuple, tuple]:
+    def flatten_state(obj: Any) -> tuple[list[Any], tuple, tuple]:
+        names = _state(obj)
         return [getattr(obj, n) for n in names], names, names
 
-    return flatten_fields, lambda _, children: cls(**dict(zip(names, children)))
+    def unflatten_state(names: tuple[str, ...], children: Any) -> Any:
+        obj = cls.__new__(cls)
+        for name, value in zip(names, children):
+            object.__setattr__(obj, name, value)  # frozen dataclasses too
+        return obj
+
+    return flatten_state, unflatten_state
 
 
 def _mirror() -> None:
