@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
 
 import onnx
 
-from clika_runtime import pbtxt
-from clika_runtime.errors import DeployError
+from clika_runtime import metadata, pbtxt
+from clika_runtime.errors import DeployError, GraphFileError
 from clika_runtime.graphfile import escapes, outside
 from clika_runtime.graph import VERSION, too_big
 
@@ -111,7 +111,8 @@ def write_model(
     batching = _checked_options(version, max_batch_size, dynamic_batching, instances, kind)
     name = _default_name(graph.graph_name) if name is None else name
     tensors = _tensors(graph.model_proto)
-    problems = _name_problems(name) + _tensor_problems(tensors, max_batch_size) + _reference_problems(graph.model_proto)
+    problems = (_name_problems(name) + _tensor_problems(tensors, max_batch_size) + _reference_problems(graph.model_proto)
+                + _range_problems(graph.model_proto, tensors, max_batch_size))
     if problems:
         raise DeployError("; ".join(problems))
     if any(t.elem_type == _T.BFLOAT16 for t in tensors):
@@ -303,7 +304,34 @@ def _batch_problems(tensors: list[_Tensor]) -> list[str]:
                    f"{{'{batch.name}': {{0: 'batch'}}, '{t.name}': {{0: 'batch'}}}})" if t.role == "input"
                    else "Triton would split it as if it were; use max_batch_size=0")
             )
-    return problems
+    return problems + (_batch_beyond_dim0(tensors, batch.shape[0]) if batch is not None else [])
+
+
+def _batch_beyond_dim0(tensors: list[_Tensor], batch: str) -> list[str]:
+    """A tensor that also uses the batch dim past dim 0 (``x @ x.T``: ``[batch, batch]``) mixes the
+    rows of requests Triton stacked together: each would be answered with the others' rows."""
+    return [f"max_batch_size > 0 but {t.where} {_shape(t)} uses the batch dim '{batch}' past dim 0: requests "
+            "batched together would see each other's rows; use max_batch_size=0"
+            for t in tensors if t.shape and batch in t.shape[1:]]
+
+
+def _range_problems(model_proto: Any, tensors: list[_Tensor], max_batch_size: int) -> list[str]:
+    """A ``max_batch_size`` past the sizes the graph's guard takes for its batch dim (a branch on
+    the batch size traced one way: ``x.shape[0] > 4``). Triton does not read the guard, so its
+    batcher would run the graph on batches it does not compute right."""
+    batch = next((t.shape[0] for t in tensors if t.role == "input" and t.shape and isinstance(t.shape[0], str)
+                  and t.shape[0]), None)
+    try:
+        found = metadata.read({p.key: p.value for p in model_proto.metadata_props}, "the graph")
+    except GraphFileError as e:
+        return [str(e)]
+    if max_batch_size == 0 or batch is None or found is None or found.guard is None:
+        return []
+    highest = min((hi for name, _, hi in found.guard.ranges if name == batch and hi is not None), default=None)
+    if highest is None or max_batch_size <= highest:
+        return []
+    return [f"max_batch_size {max_batch_size} is past the sizes the graph takes for its batch dim '{batch}' "
+            f"(up to {highest}: it was traced for those; Triton does not check): use max_batch_size={highest}"]
 
 
 def _make_dynamic(tensor: _Tensor) -> str:
@@ -401,7 +429,8 @@ def check_repository(model_folder: str | os.PathLike) -> list[str]:
         return problems + [f"{model}: not a readable ONNX model: {detail}"]
     tensors = _tensors(proto)
     return (problems + _stored_data_problems(proto, model.parent)
-            + _tensor_problems(_listed(tensors, config), config.max_batch_size) + _agreement_problems(config, tensors))
+            + _tensor_problems(_listed(tensors, config), config.max_batch_size) + _agreement_problems(config, tensors)
+            + _range_problems(proto, tensors, config.max_batch_size))
 
 
 def read_config(path: str | os.PathLike) -> TritonConfig:

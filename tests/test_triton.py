@@ -243,6 +243,14 @@ REFUSALS = {  # graph, options, the message (a regular expression)
     "output reduced over the batch": (
         "reduced", {"max_batch_size": 4},
         r"output 'output' has a static dim 0 \[3\]: Triton splits every output along its dim 0"),
+    "batch dim past dim 0": (
+        "gram", {"max_batch_size": 4},
+        r"output 'output' \[x_dim0, x_dim0\] uses the batch dim 'x_dim0' past dim 0: requests batched together "
+        r"would see each other's rows; use max_batch_size=0"),
+    "max batch past the guard": (
+        "branch", {"max_batch_size": 32},
+        r"^max_batch_size 32 is past the sizes the graph takes for its batch dim 'x_dim0' \(up to 4: .*\): "
+        r"use max_batch_size=4$"),
     "complex dtype": (
         "complex", {},
         r"input 'z' is complex64, which Triton's onnxruntime backend does not take \(it takes "
@@ -289,6 +297,10 @@ def refused(batched, static, lifted):
             return _capture(lambda a, b: (a * 2, b + 1), (torch.randn(2, 3), torch.randn(3, 2)), dynamic=True)
         if name == "reduced":
             return _capture(lambda x: x.sum(0), (torch.randn(2, 3),), (torch.randn(4, 3),))
+        if name == "gram":
+            return _capture(lambda x: x @ x.T, (torch.randn(2, 4),), (torch.randn(3, 4),))
+        if name == "branch":  # traced at batches 2 and 3: the guard ends at 4
+            return _capture(lambda x: x * 2 if x.shape[0] > 4 else x + 1, (torch.randn(2, 4),), (torch.randn(3, 4),))
         return built[name]
 
     return get
@@ -411,6 +423,15 @@ def test_check_repository_applies_the_batching_rule_to_a_hand_edited_config(stat
     _edit_config("max_batch_size: 0", "max_batch_size: 2")(folder)
     problems = check_repository(folder)
     assert any(p.startswith("max_batch_size > 0 but input 'x' has a static dim 0 [2, 8]") for p in problems), problems
+
+
+def test_check_repository_flags_a_hand_edited_max_batch_past_the_guard(refused, tmp_path):
+    folder = refused("branch").to_triton(tmp_path, "b", max_batch_size=4)
+    assert check_repository(folder) == []
+    _edit_config("max_batch_size: 4", "max_batch_size: 16")(folder)
+    assert check_repository(folder) == [
+        "max_batch_size 16 is past the sizes the graph takes for its batch dim 'x_dim0' (up to 4: it was traced "
+        "for those; Triton does not check): use max_batch_size=4"]
 
 
 def test_without_tritonclient_the_own_reader_gives_the_same_answers(request, tmp_path):
