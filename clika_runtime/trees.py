@@ -77,10 +77,22 @@ def _holds_tensors(leaf: Any, depth: int = 4) -> bool:
     """A dataclass or ``UserDict`` holding tensors, or such containers that do (``depth`` levels)."""
     import torch
 
-    if depth == 0 or type(leaf) in _mirrored or not (isinstance(leaf, UserDict) or _dataclass_instance(leaf)):
+    if depth == 0 or type(leaf) in _mirrored or not (_plain_user_dict(leaf) or _dataclass_instance(leaf)):
         return False
     fields = list(leaf.data.values()) if isinstance(leaf, UserDict) else [getattr(leaf, n) for n in _state(leaf)]
     return any(isinstance(x, torch.Tensor) or _holds_tensors(x, depth - 1) for x in flatten(fields)[0])
+
+
+# What a tokenizer's BatchEncoding keeps beside its items (offsets, word ids): not what a model reads;
+# ``BatchEncoding(items)`` leaves them None too.
+_BOOKKEEPING = frozenset({"_encodings", "_n_sequences"})
+
+
+def _plain_user_dict(leaf: Any) -> bool:
+    """A ``UserDict`` whose state is its items (attributes beside them None or tokenizer
+    bookkeeping): rebuilt from its items alone, it is the same object to the code that reads it."""
+    return isinstance(leaf, UserDict) and all(
+        v is None or k in _BOOKKEEPING for k, v in vars(leaf).items() if k != "data")
 
 
 def _dataclass_instance(leaf: Any) -> bool:
@@ -91,20 +103,26 @@ def _state(obj: Any) -> tuple[str, ...]:
     """A dataclass instance's attributes as set: ``init=False`` fields, what ``__post_init__`` made
     (from an ``InitVar`` too), anything set since; its fields when it has no ``__dict__`` (slots)."""
     state = getattr(obj, "__dict__", None)
-    return tuple(state) if state is not None else tuple(f.name for f in dataclasses.fields(obj))
+    return tuple(state) if state is not None else tuple(f.name for f in dataclasses.fields(obj) if hasattr(obj, f.name))
 
 
 def _container_functions(cls: type) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]:
-    """optree's flatten and unflatten for an adopted type: a ``UserDict`` by its items (rebuilt
-    through its constructor), a dataclass by its attributes as set, rebuilt without running its
-    constructor: ``__post_init__`` run again on traced tensors or served outputs would change
-    them, and fields the constructor does not take would be lost."""
+    """optree's flatten and unflatten for an adopted type: a ``UserDict`` by its items, a
+    dataclass by its attributes as set; both rebuilt without running their constructor (which
+    may take other arguments, and whose ``__post_init__`` run again on traced tensors or served
+    outputs would change them), with every attribute they had."""
     if issubclass(cls, UserDict):
         def flatten_items(obj: Any) -> tuple[list[Any], tuple, tuple]:
             keys = tuple(obj.data)
-            return [obj.data[k] for k in keys], keys, keys
+            return [obj.data[k] for k in keys], (keys, tuple(k for k in vars(obj) if k != "data")), keys
 
-        return flatten_items, lambda keys, children: cls(dict(zip(keys, children)))
+        def unflatten_items(context: tuple, children: Any) -> Any:
+            keys, others = context
+            obj = cls.__new__(cls)
+            obj.__dict__.update(dict.fromkeys(others), data=dict(zip(keys, children)))  # the others: None
+            return obj
+
+        return flatten_items, unflatten_items
 
     def flatten_state(obj: Any) -> tuple[list[Any], tuple, tuple]:
         names = _state(obj)

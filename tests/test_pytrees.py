@@ -112,9 +112,31 @@ class Features(collections.UserDict):
     """A ``UserDict``, as the tokenizer's ``BatchEncoding`` is."""
 
 
+class Prefixed(collections.UserDict):
+    """A ``UserDict`` whose constructor takes something else than its items."""
+
+    def __init__(self, prefix, **items):
+        super().__init__({prefix + key: value for key, value in items.items()})
+
+
+class Named(collections.UserDict):
+    """A ``UserDict`` with state beside its items."""
+
+    def __init__(self, name, **items):
+        super().__init__(**items)
+        self.name = name
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class SlottedBatch:
+    ids: torch.Tensor
+
+
 def _ids(batch):
     batch = batch.batch if isinstance(batch, Wrapper) else batch
-    return batch.ids * batch.scale if isinstance(batch, Unregistered) else batch["ids"] * 2
+    if isinstance(batch, (Unregistered, SlottedBatch)):
+        return batch.ids * getattr(batch, "scale", 2.0)
+    return batch["ids"] * 2
 
 
 @dataclasses.dataclass
@@ -123,8 +145,9 @@ class Wrapper:
 
 
 @pytest.mark.parametrize("make", [lambda ids: Unregistered(ids), lambda ids: Features(ids=ids),
-                                  lambda ids: BatchEncoding({"ids": ids}), lambda ids: Wrapper(Unregistered(ids))],
-                         ids=["dataclass", "UserDict", "BatchEncoding", "nested"])
+                                  lambda ids: BatchEncoding({"ids": ids}), lambda ids: Wrapper(Unregistered(ids)),
+                                  lambda ids: Prefixed("", ids=ids), lambda ids: SlottedBatch(ids)],
+                         ids=["dataclass", "UserDict", "BatchEncoding", "nested", "own constructor", "slots"])
 def test_unregistered_containers_of_tensors_feed_the_graph(make):
     # They were one static leaf that cannot key a capture: every call eager, for good.
     target = Counted(_ids)
@@ -135,6 +158,16 @@ def test_unregistered_containers_of_tensors_feed_the_graph(make):
     calls, ids = target.calls, t(3)
     torch.testing.assert_close(f(make(ids)), ids * 2)
     assert target.calls == calls
+
+
+def test_a_user_dict_with_state_beside_its_items_runs_eagerly_and_says_why():
+    # Rebuilt from its items alone, the trace would read another name than the call passed.
+    target = Counted(lambda batch: batch["ids"] * 2 if batch.name == "double" else batch["ids"])
+    f = cr.compile(target)
+    with pytest.warns(UserWarning, match="unhashable type Named"):
+        torch.testing.assert_close(f(Named("double", ids=torch.ones(2))), torch.full((2,), 2.0))
+    torch.testing.assert_close(f(Named("same", ids=torch.ones(2))), torch.ones(2))
+    assert f.state is cr.CompiledFunction.State.Pending and target.calls == 2
 
 
 def test_an_unregistered_dataclass_of_tensors_is_returned_rebuilt():
