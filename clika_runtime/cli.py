@@ -97,6 +97,9 @@ def _inspect(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from clika_runtime.validation import validate_graph
 
+    model = Path(args.model)
+    if model.is_dir() and not (model / "config.pbtxt").is_file():
+        raise ValueError(f"{model}: a folder without config.pbtxt: give an .onnx file or a Triton model folder")
     report = validate_graph(
         args.model, reference=args.reference, dims=_parse_dims(args.dims), place=args.place,
         rtol=args.rtol, atol=args.atol,

@@ -233,6 +233,12 @@ def test_cli_validate_reports_a_broken_graph(tmp_path, capsys):
     assert re.search(r"readable, reads only files in its folder  FAIL  .*not a readable ONNX model", capsys.readouterr().out)
 
 
+def test_cli_validate_of_a_folder_that_is_no_triton_model_is_a_usage_error(tmp_path, capsys):
+    assert cli(["validate", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {tmp_path}: a folder without config.pbtxt: give an .onnx file or a Triton model folder")
+
+
 def test_cli_export_from_factories_and_from_a_signature(tmp_path, monkeypatch, capsys):
     (tmp_path / "zoo_models.py").write_text(textwrap.dedent("""
         import torch
