@@ -44,7 +44,7 @@ _NAN = ("nan",)
 # Leaves keyed by their type and value as they are: immutable, compared by value.
 _PLAIN = frozenset({type(None), bool, int, str, bytes, complex, type(Ellipsis), range, torch.dtype, torch.device,
                     torch.Size, torch.layout, torch.memory_format})
-_NUMPY_SCALARS = (np.generic,)
+_NUMPY_SCALARS = (np.generic,)  # np.float32(0.7), np.int64(3): numbers, keyed by their value
 # Code and classes: immutable in practice, so identity is their value (as torch.compile guards them).
 _BY_IDENTITY = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
                 types.BuiltinMethodType)
