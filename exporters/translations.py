@@ -18,6 +18,12 @@ propagates a NaN (the max of a window holding one is NaN, argmax points at the f
 onnxruntime's ReduceMax, MaxPool and ArgMax skip it, and a corrupt input was served plausible
 numbers. Ours puts the NaN back where the reduced or pooled input held one (integer inputs have
 none: torchlib's translation alone).
+
+``div`` of integers with a rounding mode: torchlib divides them in float32, exact only below 2**24
+(a pixel index of a 5000x5000 image got the wrong row), and a zero divisor gave INT64_MIN where
+torch raises. Ours divides the integers: onnxruntime's integer Div truncates (and fails on a zero
+divisor: the call then runs eagerly and raises torch's error); floor is torchlib's exact
+``floor_divide``.
 """
 
 from __future__ import annotations
@@ -183,7 +189,21 @@ def max_pool2d_with_indices(self: Any, kernel_size: Sequence[int], stride: Seque
     return _with_nan(_windows_with_nan(self, kernel_size, stride, padding, dilation, ceil_mode), out), indices
 
 
+def div_mode(self: Any, other: Any, rounding_mode: str | None = None) -> Any:
+    """torchlib's division, but integers with a rounding mode divided as integers."""
+    if not isinstance(other, ir.Value) and isinstance(other, int) and not isinstance(other, bool):
+        other = op.CastLike(op.Constant(value_int=other), self)
+        other.shape, other.dtype = ir.Shape([]), self.dtype  # what torchlib's floor_divide reads
+    exact = rounding_mode in ("trunc", "floor") and self.dtype.is_integer() \
+        and isinstance(other, ir.Value) and other.dtype == self.dtype
+    if not exact:
+        return core.aten_div_mode(self, other, rounding_mode)
+    return op.Div(self, other) if rounding_mode == "trunc" else core.aten_floor_divide(self, other)
+
+
 TABLE: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.div.Tensor_mode: div_mode,
+    torch.ops.aten.div.Scalar_mode: div_mode,
     torch.ops.aten.amax.default: _propagating_reduction(core.aten_amax),
     torch.ops.aten.amin.default: _propagating_reduction(core.aten_amin),
     torch.ops.aten.max.default: _propagating_full(core.aten_max),
