@@ -33,9 +33,6 @@ from typing import Any, Callable, Sequence
 import torch
 from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core, nn
-from onnxscript.function_libs.torch_lib.ops.core import aten_gather as _torchlib_gather
-from onnxscript.function_libs.torch_lib.ops.core import aten_index_select as _torchlib_index_select
-from onnxscript.function_libs.torch_lib.ops.nn import aten_scaled_dot_product_attention as _torchlib_sdpa
 from onnxscript.onnx_opset import opset18 as op
 
 
@@ -45,7 +42,7 @@ def scaled_dot_product_attention(
 ) -> Any:
     """torchlib's attention; rows whose mask hides every key (all False, or all -inf in a float
     mask) are zeros, as in torch."""
-    out = _torchlib_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    out = nn.aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is None:
         return out
     # Whether any key is visible to a query row: (..., L, 1), broadcast over heads and the value dim.
@@ -68,14 +65,14 @@ def gather(self: Any, dim: int, index: Any, sparse_grad: bool = False) -> Any:
     """torchlib's gather, a negative index refused at run time as torch refuses it."""
     if len(self.shape) > 0:
         index = _negative_past_end(index, self, dim % len(self.shape))
-    return _torchlib_gather(self, dim, index, sparse_grad)
+    return core.aten_gather(self, dim, index, sparse_grad)
 
 
 def index_select(self: Any, dim: int, index: Any) -> Any:
     """torchlib's index_select, a negative index refused at run time as torch refuses it."""
     if len(self.shape) > 0:
         index = _negative_past_end(index, self, dim % len(self.shape))
-    return _torchlib_index_select(self, dim, index)
+    return core.aten_index_select(self, dim, index)
 
 
 def _negative_past_end(index: Any, data: Any, axis: int) -> Any:
@@ -105,12 +102,12 @@ def _with_nan(found: Any, out: Any) -> Any:
     return op.Where(found, op.CastLike(op.Constant(value_float=float("nan")), out), out)
 
 
-def _first_nan(x: Any, dim: int, keepdim: bool, index: Any) -> Any:
-    """``index`` (an argmax or argmin along ``dim``), pointing at the first NaN where there is one."""
+def _nan_along(x: Any, dim: int, keepdim: bool) -> tuple[Any, Any]:
+    """Whether ``x`` holds a NaN along ``dim``, and the index of the first (one pass of flags)."""
     flags = _nan_flags(x)
     first = op.ArgMax(flags, axis=dim, keepdims=int(keepdim))
     found = op.Cast(op.ReduceMax(flags, op.Constant(value_ints=[dim]), keepdims=int(keepdim)), to=ir.DataType.BOOL)
-    return op.Where(found, first, index)
+    return found, first
 
 
 def _propagating_reduction(torchlib: Callable[..., Any]) -> Callable[..., Any]:
@@ -135,7 +132,8 @@ def _propagating_dim(torchlib: Callable[..., Any]) -> Callable[..., Any]:
         values, indices = torchlib(self, dim, keepdim)
         if self.dtype not in _FLOATS or len(self.shape) == 0:
             return values, indices
-        return _with_nan(_any_nan(self, [dim], keepdim), values), _first_nan(self, dim, keepdim, indices)
+        found, first = _nan_along(self, dim, keepdim)
+        return _with_nan(found, values), op.Where(found, first, indices)
     return reduction
 
 
@@ -145,9 +143,10 @@ def _propagating_arg(torchlib: Callable[..., Any]) -> Callable[..., Any]:
         out = torchlib(self, dim, keepdim)
         if self.dtype not in _FLOATS or len(self.shape) == 0 or (dim is None and keepdim):
             return out
-        if dim is None:
-            return _first_nan(op.Reshape(self, op.Constant(value_ints=[-1])), 0, False, out)
-        return _first_nan(self, dim, keepdim, out)
+        flat = dim is None  # torch's argmax of every element: of the flattened tensor
+        found, first = _nan_along(op.Reshape(self, op.Constant(value_ints=[-1])) if flat else self,
+                                  0 if flat else dim, keepdim)
+        return op.Where(found, first, out)
     return reduction
 
 
@@ -156,10 +155,9 @@ def _windows_with_nan(self: Any, kernel_size: Sequence[int], stride: Sequence[in
     """Which max-pooling windows hold a NaN: where their average is NaN (one pass over the input;
     the same pooling over NaN flags took three and made a pooling-heavy CNN 1.5x slower). A window
     holding both infinities averages to NaN too: torch's max there is +inf, ours NaN."""
-    pair = lambda v, default: list(v) * (2 // len(v)) if len(v) else list(default)  # noqa: E731 (torch's forms)
-    kernel = pair(kernel_size, ())
-    strides, pads = pair(stride, kernel), pair(padding, (0, 0)) * 2
-    if pair(dilation, (1, 1)) != [1, 1]:  # AveragePool has no dilation before opset 19: flags, pooled
+    kernel = _pair(kernel_size, ())
+    strides, pads = _pair(stride, kernel), _pair(padding, (0, 0)) * 2
+    if _pair(dilation, (1, 1)) != [1, 1]:  # AveragePool has no dilation before opset 19: flags, pooled
         return op.Cast(nn.aten_max_pool2d(_nan_flags(self), kernel_size, stride, padding, dilation, ceil_mode),
                        to=ir.DataType.BOOL)
     batched = len(self.shape) == 4
@@ -167,6 +165,11 @@ def _windows_with_nan(self: Any, kernel_size: Sequence[int], stride: Sequence[in
     mean = op.AveragePool(x, ceil_mode=int(ceil_mode), kernel_shape=kernel, pads=pads, strides=strides)
     found = op.IsNaN(mean)
     return found if batched else op.Squeeze(found, op.Constant(value_ints=[0]))
+
+
+def _pair(value: Sequence[int], default: Sequence[int]) -> list[int]:
+    """A pooling argument in ONNX's form: torch's ``2`` or ``(2,)`` is ``[2, 2]``; empty, ``default``."""
+    return list(value) * (2 // len(value)) if len(value) else list(default)
 
 
 def max_pool2d(self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0, 0),
