@@ -316,9 +316,9 @@ def _batch_beyond_dim0(tensors: list[_Tensor], batch: str) -> list[str]:
 
 
 def _range_problems(model_proto: Any, tensors: list[_Tensor], max_batch_size: int) -> list[str]:
-    """A ``max_batch_size`` past the sizes the graph's guard takes for its batch dim (a branch on
-    the batch size traced one way: ``x.shape[0] > 4``). Triton does not read the guard, so its
-    batcher would run the graph on batches it does not compute right."""
+    """Batch sizes Triton sends (1 to ``max_batch_size``) that the graph's guard does not take
+    for its batch dim (a branch on the batch size traced one way: ``x.shape[0] > 4``). Triton does
+    not read the guard, so its batcher would run the graph on batches it does not compute right."""
     batch = next((t.shape[0] for t in tensors if t.role == "input" and t.shape and isinstance(t.shape[0], str)
                   and t.shape[0]), None)
     try:
@@ -327,7 +327,14 @@ def _range_problems(model_proto: Any, tensors: list[_Tensor], max_batch_size: in
         return [str(e)]
     if max_batch_size == 0 or batch is None or found is None or found.guard is None:
         return []
-    highest = min((hi for name, _, hi in found.guard.ranges if name == batch and hi is not None), default=None)
+    bounds = [(lo, hi) for name, lo, hi in found.guard.ranges if name == batch]
+    lowest = max((lo for lo, _ in bounds), default=0)
+    highest = min((hi for _, hi in bounds if hi is not None), default=None)
+    if lowest > 1:
+        return [f"max_batch_size {max_batch_size}: Triton sends batches of 1 to {max_batch_size}, but the graph "
+                f"takes sizes from {lowest} on for its batch dim '{batch}' (it was traced for those; Triton does not "
+                f"check; its trace branched on the batch size): use max_batch_size=0 and send batches of "
+                f"{lowest} or more, or take the branch out of the model"]
     if highest is None or max_batch_size <= highest:
         return []
     return [f"max_batch_size {max_batch_size} is past the sizes the graph takes for its batch dim '{batch}' "

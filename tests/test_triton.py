@@ -253,6 +253,11 @@ REFUSALS = {  # graph, options, the message (a regular expression)
         "branch", {"max_batch_size": 32},
         r"^max_batch_size 32 is past the sizes the graph takes for its batch dim 'x_dim0' \(up to 4: .*\): "
         r"use max_batch_size=4$"),
+    "batch sizes below the guard": (  # traced at batches 5 and 8: the guard starts at 5, Triton sends 1..8
+        "branch_high", {"max_batch_size": 8},
+        r"^max_batch_size 8: Triton sends batches of 1 to 8, but the graph takes sizes from 5 on for its batch dim "
+        r"'x_dim0' \(it was traced for those; Triton does not check; its trace branched on the batch size\): use "
+        r"max_batch_size=0 and send batches of 5 or more, or take the branch out of the model$"),
     "complex dtype": (
         "complex", {},
         r"input 'z' is complex64, which Triton's onnxruntime backend does not take \(it takes "
@@ -303,6 +308,8 @@ def refused(batched, static, lifted):
             return _capture(lambda x: x @ x.T, (torch.randn(2, 4),), (torch.randn(3, 4),))
         if name == "branch":  # traced at batches 2 and 3: the guard ends at 4
             return _capture(lambda x: x * 2 if x.shape[0] > 4 else x + 1, (torch.randn(2, 4),), (torch.randn(3, 4),))
+        if name == "branch_high":  # the other side of the branch: the guard starts at 5
+            return _capture(lambda x: x * 2 if x.shape[0] > 4 else x * 3, (torch.randn(5, 4),), (torch.randn(8, 4),))
         return built[name]
 
     return get
@@ -434,6 +441,18 @@ def test_check_repository_flags_a_hand_edited_max_batch_past_the_guard(refused, 
     assert check_repository(folder) == [
         "max_batch_size 16 is past the sizes the graph takes for its batch dim 'x_dim0' (up to 4: it was traced "
         "for those; Triton does not check): use max_batch_size=4"]
+
+
+def test_check_repository_flags_a_batching_config_over_a_graph_that_starts_past_batch_1(refused, tmp_path):
+    folder = refused("branch_high").to_triton(tmp_path, "b", max_batch_size=0)
+    assert check_repository(folder) == []
+    config = folder / "config.pbtxt"
+    text = config.read_text()
+    assert text.count("dims: [ -1, 4 ]") == 2, text
+    config.write_text(text.replace("max_batch_size: 0", "max_batch_size: 8").replace("dims: [ -1, 4 ]", "dims: [ 4 ]"))
+    problems = check_repository(folder)
+    assert problems and problems[0].startswith(
+        "max_batch_size 8: Triton sends batches of 1 to 8, but the graph takes sizes from 5 on"), problems
 
 
 def test_without_tritonclient_the_own_reader_gives_the_same_answers(request, tmp_path):
