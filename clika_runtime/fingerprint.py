@@ -15,6 +15,7 @@ instructions), several tensors at once when there is much to hash: hashlib relea
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import importlib.metadata
@@ -192,7 +193,13 @@ def _sources(fn: Any) -> str:
     plain values of the globals they (or the function) name and it closes over (a setting given to
     a factory varies between runs of one file): an edited constant or helper method
     changes what the graph computes, not the forward's bytecode. Code typed into a notebook has
-    no file: the methods and values stand in. torch's own code is keyed by its version."""
+    no file: the methods and values stand in. torch's own code is keyed by its version.
+
+    What that code reads outside its own file is followed too (``_reached``): the values and
+    helpers of the user's modules it names (``settings.LIMIT``, set from the environment when
+    ``settings`` was imported), the environment variables it reads by name, and the files its
+    plain values name (a path read at call time): the graph bakes them, and a first call that
+    lands inside both limits of a clamp verifies the graph made under either."""
     owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
     modules = list(owner.modules()) if isinstance(owner, torch.nn.Module) else []
     classes = {c for m in modules for c in type(m).__mro__ if _ours(c)}
@@ -200,15 +207,83 @@ def _sources(fn: Any) -> str:
     if isinstance(inner := getattr(fn, "__func__", fn), types.FunctionType):
         functions.append(inner)
         functions += [v for _, v in _closure(inner) if isinstance(v, types.FunctionType)]  # helpers it closes over
-    named = {(f.__module__, n): f.__globals__[n] for f in functions
-             for n in pystate.global_names(f.__code__) if n in f.__globals__}
+    functions, named, files = _reached(functions)
     named |= {(f.__qualname__, n): v for f in functions for n, v in _closure(f)}  # make_predict(clamp)'s clamp
-    files = {_file(c) for c in classes} | {_file(f) for f in functions}
+    files |= {_file(c) for c in classes} | {_file(f) for f in functions}
     files |= {_file(v) for v in named.values() if isinstance(v, (type, types.FunctionType)) and _ours(v)}
     values = sorted(f"{m}.{n}={_plain(v)}" for (m, n), v in named.items()
                     if not isinstance(v, (type, types.FunctionType, types.ModuleType)))
+    files |= {v for v in named.values() if _names_a_file(v)} | {v for m in modules for v in vars(m).values()
+                                                                 if _names_a_file(v)}
     methods = sorted(_function(f) for f in functions)
-    return "|".join(values + methods + [f"{path}:{_file_digest(path)}" for path in sorted(p for p in files if p)])
+    return "|".join(values + methods + _environment(functions)
+                    + [f"{path}:{_file_digest(path)}" for path in sorted(p for p in files if p)])
+
+
+_REACHED = 256  # functions followed at most: a key, not a whole-program walk
+
+
+def _reached(functions: list[types.FunctionType]) -> tuple[list[types.FunctionType], dict, set]:
+    """``functions`` and the user's functions they reach through globals and modules they name,
+    with the globals and module attributes they read, by (module, name), and those modules' files."""
+    seen, queue, named, files = [], list(functions), {}, set()
+    while queue and len(seen) < _REACHED:
+        f = queue.pop()
+        if f in seen:
+            continue
+        seen.append(f)
+        attributes = _all_names(f.__code__)
+        for n in pystate.global_names(f.__code__):
+            if n not in f.__globals__:
+                continue
+            value = named[(f.__module__, n)] = f.__globals__[n]
+            if isinstance(value, types.FunctionType) and _user_code(value):
+                queue.append(value)
+            elif isinstance(value, types.ModuleType) and _user_code(value):
+                files.add(getattr(value, "__file__", None))
+                for a in attributes & set(vars(value)):  # settings.LIMIT, settings.limit()
+                    read = named[(value.__name__, a)] = vars(value)[a]
+                    if isinstance(read, types.FunctionType) and _user_code(read):
+                        queue.append(read)
+    return seen, named, files
+
+
+def _all_names(code: types.CodeType) -> set[str]:
+    """Every global and attribute name a code object (and the functions it defines) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _all_names(const)
+    return names
+
+
+def _user_code(code: Any) -> bool:
+    """The user's own code: ``_ours``, and not an installed package (numpy's, timm's)."""
+    path = getattr(code, "__file__", None) or _file(code) or ""
+    return _ours(code) and "-packages" + os.sep not in path
+
+
+def _environment(functions: list[types.FunctionType]) -> list[str]:
+    """The environment variables the functions may read by name (``os.environ.get("LIMIT")``,
+    ``os.getenv(...)``): every string constant of a function that reads the environment."""
+    values = []
+    for f in functions:
+        if {"environ", "getenv"} & _all_names(f.__code__):
+            values += [f"${c}={os.environ.get(c)!r}" for c in _strings(f.__code__)]
+    return sorted(set(values))
+
+
+def _strings(code: types.CodeType) -> Iterable[str]:
+    for const in code.co_consts:
+        if isinstance(const, str):
+            yield const
+        elif isinstance(const, types.CodeType):
+            yield from _strings(const)
+
+
+def _names_a_file(value: Any) -> bool:
+    """A plain string that is the path of a file (a setting read at call time)."""
+    return isinstance(value, str) and 0 < len(value) < 4096 and "\n" not in value and os.path.isfile(value)
 
 
 def _closure(fn: types.FunctionType) -> list[tuple[str, Any]]:
@@ -230,8 +305,13 @@ def _file(code: Any) -> str | None:
     return getattr(sys.modules.get(code.__module__), "__file__", None)
 
 
+_DIGESTED_BYTES = 2**20  # a larger file (weights a path names) is known by its time and size
+
+
 @functools.lru_cache(maxsize=256)
 def _file_digest_at(path: str, stamp: tuple[int, int]) -> str:
+    if stamp[1] > _DIGESTED_BYTES:
+        return f"{stamp[0]}:{stamp[1]}"
     with open(path, "rb") as source:
         return hashlib.sha256(source.read()).hexdigest()[:24]
 
@@ -250,10 +330,14 @@ def _plain(value: Any, depth: int = 4) -> str:
     containers ``depth`` levels down, then by their length)."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return repr(value)
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list, dict)):
         if depth == 0:
             return f"{type(value).__qualname__}[{len(value)}]"
+        if isinstance(value, dict):  # SETTINGS = {"limit": 5.0}
+            return "{" + ",".join(sorted(f"{k!r}:{_plain(v, depth - 1)}" for k, v in value.items())) + "}"
         return "[" + ",".join(_plain(v, depth - 1) for v in value) + "]"
+    if isinstance(value, enum.Enum):
+        return repr(value)
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):
         try:

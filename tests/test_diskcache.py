@@ -304,3 +304,95 @@ def test_cli_cache_info_list_clear(capsys):
     assert cli(["cache", "list", "--dir", root]) == 0 and "Linear(input)" in capsys.readouterr().out
     assert cli(["cache", "clear", "--dir", root]) == 0
     assert cli(["cache", "info", "--dir", root]) == 0 and "0 entries" in capsys.readouterr().out
+
+
+# Values a graph bakes that are read from outside the model's own file: another module (set from
+# the environment, or edited), a helper there, the environment at call time, a file at call time.
+SETTINGS = textwrap.dedent("""
+    import os
+
+    LIMIT = float(os.environ.get("CLIKA_TEST_LIMIT", "{limit}"))
+    FILE = os.path.join(os.path.dirname(__file__), "limit.txt")
+    CONFIG = {{"clamp": {{"limit": LIMIT}}}}
+
+    def limit():
+        return LIMIT
+""")
+
+READERS = textwrap.dedent("""
+    import os
+    import torch
+    import {settings}
+    from {settings} import LIMIT
+
+    class ReadsModule(torch.nn.Module):
+        def forward(self, x):
+            return x.clamp(max={settings}.LIMIT)
+
+    class ReadsHelper(torch.nn.Module):
+        def forward(self, x):
+            return x.clamp(max={settings}.limit())
+
+    class ReadsImported(torch.nn.Module):
+        def forward(self, x):
+            return x.clamp(max=LIMIT)
+
+    class ReadsDict(torch.nn.Module):
+        def forward(self, x):
+            return x.clamp(max={settings}.CONFIG["clamp"]["limit"])
+
+    class ReadsEnvironment(torch.nn.Module):
+        def forward(self, x):
+            return x.clamp(max=float(os.environ.get("CLIKA_TEST_LIMIT", "10")))
+
+    class ReadsFile(torch.nn.Module):
+        def forward(self, x):
+            with open({settings}.FILE) as f:
+                return x.clamp(max=float(f.read()))
+""")
+
+_READ_FROM = {  # the reader, how the value changes between the two "processes"
+    "another module's value, from the environment": ("ReadsModule", "environment"),
+    "another module's value, edited": ("ReadsModule", "edit"),
+    "a helper in another module": ("ReadsHelper", "environment"),
+    "a value imported from another module": ("ReadsImported", "environment"),
+    "a dict in another module": ("ReadsDict", "environment"),
+    "the environment at call time": ("ReadsEnvironment", "environment"),
+    "a file at call time": ("ReadsFile", "file"),
+}
+
+
+def _readers(folder: Path, limit: float, stamp: int):
+    """A fresh import of a settings module and the models that read it (as a new process makes)."""
+    settings, readers = f"settings_{folder.name}", f"readers_{folder.name}"
+    for name in (settings, readers):
+        sys.modules.pop(name, None)
+    (folder / f"{settings}.py").write_text(SETTINGS.format(limit=limit))
+    (folder / f"{readers}.py").write_text(READERS.format(settings=settings))
+    for name in (settings, readers):  # the same code: each import is a later process's first
+        os.utime(folder / f"{name}.py", ns=(stamp, stamp))
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(readers)
+    finally:
+        sys.path.remove(str(folder))
+
+
+@pytest.mark.parametrize("case", _READ_FROM)
+def test_a_value_read_outside_the_model_is_in_the_key(case, tmp_path, monkeypatch):
+    # A first call inside both limits verifies either graph: only the key can tell them apart.
+    reader, change = _READ_FROM[case]
+    (tmp_path / "limit.txt").write_text("10")
+    monkeypatch.setenv("CLIKA_TEST_LIMIT", "10")
+    first = _readers(tmp_path, 10.0, 10**18)
+    _capture(getattr(first, reader)(), torch.zeros(2))
+    if change == "environment":
+        monkeypatch.setenv("CLIKA_TEST_LIMIT", "5")
+    elif change == "file":
+        (tmp_path / "limit.txt").write_text("5")
+    monkeypatch.delenv("CLIKA_TEST_LIMIT") if change == "edit" else None
+    later = _readers(tmp_path, 5.0 if change == "edit" else 10.0, 2 * 10**18 if change == "edit" else 10**18)
+    f = _capture(getattr(later, reader)(), torch.zeros(2))
+    assert _exported(f), f"{case}: the graph made under the old value was restored"
+    with torch.no_grad():
+        torch.testing.assert_close(f(torch.full((2,), 8.0)), torch.full((2,), 5.0))
