@@ -24,12 +24,23 @@ none: torchlib's translation alone).
 torch raises. Ours divides the integers: onnxruntime's integer Div truncates (and fails on a zero
 divisor: the call then runs eagerly and raises torch's error); floor is torchlib's exact
 ``floor_divide``.
+
+Nearest resizes (``upsample_nearest{1,2,3}d.vec``, ``_upsample_nearest_exact{1,2,3}d.vec``):
+torch's source index is ``min(floor((i + offset) * scale), in - 1)`` in float32 with
+``scale = float(1.0 / scale_factor)`` (divided in double; ``float(in) / out`` for ``size=``) and
+the output size ``floor(double(in) * scale_factor)`` (aten/src/ATen/native/UpSample.h). torchlib's
+Resize divides ``i`` by the float32 scale factor instead, and nearest-exact was decomposed into
+float32 arithmetic of ``in / (in * scale_factor)``: both land on the other side of an integer at
+some sizes only (nearest-exact at 0.7: sizes 7, 14, 23, 28; nearest at 2.3: 31 and up), which the
+one verified size cannot show. Ours computes torch's index and gathers along each axis
+(scripts/size_sweep.py checks them and the other index arithmetic at every size of a range).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core, nn
@@ -204,6 +215,50 @@ def div_mode(self: Any, other: Any, rounding_mode: str | None = None) -> Any:
     return op.Div(self, other) if rounding_mode == "trunc" else core.aten_floor_divide(self, other)
 
 
+def _upsample_nearest(exact: bool) -> Callable[..., Any]:
+    """``upsample_nearest{1,2,3}d.vec`` (``exact``: ``_upsample_nearest_exact*.vec``) with torch's
+    source index: one Gather per spatial axis."""
+    def upsample(input: Any, output_size: Sequence[Any] | None = None,
+                 scale_factors: Sequence[float] | None = None) -> Any:
+        spatial = len(input.shape) - 2
+        out = input
+        for d in range(spatial):
+            scale = None if scale_factors is None else scale_factors[d]
+            size = None if output_size is None else output_size[d]
+            out = op.Gather(out, _nearest_index(input, 2 + d, size, scale, exact), axis=2 + d)
+        return out
+    return upsample
+
+
+def _nearest_index(input: Any, axis: int, size: Any, scale_factor: float | None, exact: bool) -> Any:
+    """The input index of each output position along ``axis``, as aten/src/ATen/native/UpSample.h
+    computes it: ``min(floor((i + offset) * scale), in - 1)`` in float32, where ``scale`` is
+    ``float(1.0 / scale_factor)`` (divided in double) when a scale factor is given, else
+    ``float(in) / out``; the output size is ``floor(double(in) * scale_factor)``. ONNX's Resize
+    divides ``i`` by the scale factor in float32 instead, which lands on the other side of an
+    integer at some sizes. Plain nearest keeps torch's shortcuts for ``out == in`` and
+    ``out == 2 * in``."""
+    length = op.Squeeze(op.Shape(input, start=axis, end=axis + 1))
+    if scale_factor is not None:
+        factor = op.Constant(value=ir.tensor(scale_factor, dtype=ir.DataType.DOUBLE))
+        out = op.Cast(op.Floor(op.Mul(op.Cast(length, to=ir.DataType.DOUBLE), factor)), to=ir.DataType.INT64)
+        scale = op.Constant(value_float=float(np.float32(1.0 / scale_factor)))
+    else:
+        out = op.Cast(size, to=ir.DataType.INT64) if isinstance(size, ir.Value) else op.Constant(value_int=size)
+        scale = op.Div(op.Cast(length, to=ir.DataType.FLOAT), op.Cast(out, to=ir.DataType.FLOAT))
+    positions = op.Range(op.Constant(value_int=0), out, op.Constant(value_int=1))
+    source = op.Cast(positions, to=ir.DataType.FLOAT)
+    if exact:
+        source = op.Add(source, op.Constant(value_float=0.5))
+    last = op.Sub(length, op.Constant(value_int=1))
+    index = op.Min(op.Cast(op.Floor(op.Mul(source, scale)), to=ir.DataType.INT64), last)
+    if exact:
+        return index
+    halves = op.Div(positions, op.Constant(value_int=2))
+    doubled = op.Equal(out, op.Mul(length, op.Constant(value_int=2)))
+    return op.Where(op.Equal(out, length), positions, op.Where(doubled, halves, index))
+
+
 TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.div.Tensor_mode: div_mode,
     torch.ops.aten.div.Scalar_mode: div_mode,
@@ -221,4 +276,6 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.embedding.default: embedding,
     torch.ops.aten.gather.default: gather,
     torch.ops.aten.index_select.default: index_select,
+    **{getattr(torch.ops.aten, f"upsample_nearest{n}d").vec: _upsample_nearest(exact=False) for n in (1, 2, 3)},
+    **{getattr(torch.ops.aten, f"_upsample_nearest_exact{n}d").vec: _upsample_nearest(exact=True) for n in (1, 2, 3)},
 }
