@@ -34,6 +34,11 @@ float32 arithmetic of ``in / (in * scale_factor)``: both land on the other side 
 some sizes only (nearest-exact at 0.7: sizes 7, 14, 23, 28; nearest at 2.3: 31 and up), which the
 one verified size cannot show. Ours computes torch's index and gathers along each axis
 (scripts/size_sweep.py checks them and the other index arithmetic at every size of a range).
+
+``adaptive_avg_pool2d``: torch's decomposition sums a window unrolled to the length it has at the
+traced size; the graph was served at sizes whose windows are longer (output 7: wrong at 9..13,
+16..20, 23..27, 30..34). Ours averages torch's windows (``floor(o * in / out)`` to
+``ceil((o + 1) * in / out)``) as one matrix product per axis.
 """
 
 from __future__ import annotations
@@ -259,6 +264,30 @@ def _nearest_index(input: Any, axis: int, size: Any, scale_factor: float | None,
     return op.Where(op.Equal(out, length), positions, op.Where(doubled, halves, index))
 
 
+def adaptive_avg_pool2d(self: Any, output_size: Sequence[int]) -> Any:
+    """torch's windows, ``floor(o * in / out)`` to ``ceil((o + 1) * in / out)``, averaged as one
+    matrix product per axis: the decomposition unrolled the window to the length it had at the
+    traced size, and served other sizes whose windows are longer."""
+    height = _window_weights(self, len(self.shape) - 2, output_size[0])  # (out_h, h)
+    width = _window_weights(self, len(self.shape) - 1, output_size[1])  # (out_w, w)
+    rows = op.MatMul(self, op.Transpose(width, perm=[1, 0]))  # (..., h, out_w)
+    return op.MatMul(height, rows)
+
+
+def _window_weights(x: Any, axis: int, out: int) -> Any:
+    """(out, in): 1 / the window's length inside output position o's window along ``axis``, else 0."""
+    length = op.Shape(x, start=axis, end=axis + 1)  # (1,)
+    outputs = op.Constant(value_ints=list(range(out)))
+    count = op.Constant(value_int=out)
+    start = op.Unsqueeze(op.Div(op.Mul(outputs, length), count), op.Constant(value_ints=[1]))
+    end = op.Unsqueeze(op.Div(op.Add(op.Mul(op.Add(outputs, op.Constant(value_int=1)), length),
+                                     op.Constant(value_int=out - 1)), count), op.Constant(value_ints=[1]))
+    positions = op.Range(op.Constant(value_int=0), op.Squeeze(length), op.Constant(value_int=1))
+    inside = op.And(op.GreaterOrEqual(positions, start), op.Less(positions, end))
+    weights = op.Div(op.Cast(inside, to=ir.DataType.FLOAT), op.Cast(op.Sub(end, start), to=ir.DataType.FLOAT))
+    return op.CastLike(weights, x)
+
+
 TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.div.Tensor_mode: div_mode,
     torch.ops.aten.div.Scalar_mode: div_mode,
@@ -276,6 +305,7 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.embedding.default: embedding,
     torch.ops.aten.gather.default: gather,
     torch.ops.aten.index_select.default: index_select,
+    torch.ops.aten._adaptive_avg_pool2d.default: adaptive_avg_pool2d,
     **{getattr(torch.ops.aten, f"upsample_nearest{n}d").vec: _upsample_nearest(exact=False) for n in (1, 2, 3)},
     **{getattr(torch.ops.aten, f"_upsample_nearest_exact{n}d").vec: _upsample_nearest(exact=True) for n in (1, 2, 3)},
 }
