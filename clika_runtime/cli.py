@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import re
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import Any, Sequence
 
 from clika_runtime.errors import ClikaError
 
+logger = logging.getLogger("clika_runtime")
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
 
 
@@ -53,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--signature", nargs="+", metavar="NAME:DTYPE[d0,d1]",
                         help="tensor inputs, e.g. 'x:float32[batch,8]' (str dims dynamic, ints static)")
     p.add_argument("--out", required=True, help="where to save the .onnx")
-    p.add_argument("--dynamic", action="store_true", help="every axis dynamic from the first capture")
+    p.add_argument("--dynamic", action="store_true",
+                   help="every axis dynamic from the first capture, except axes of size 0 or 1 in the example "
+                        "(torch.export specialises them: give examples of size >= 2 there; the output names them)")
     p.set_defaults(run=_export)
 
     p = sub.add_parser("triton", help="write a graph as a Triton model (config.pbtxt + version folder)")
@@ -97,9 +101,6 @@ def _inspect(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from clika_runtime.validation import validate_graph
 
-    model = Path(args.model)
-    if model.is_dir() and not (model / "config.pbtxt").is_file():
-        raise ValueError(f"{model}: a folder without config.pbtxt: give an .onnx file or a Triton model folder")
     report = validate_graph(
         args.model, reference=args.reference, dims=_parse_dims(args.dims), place=args.place,
         rtol=args.rtol, atol=args.atol,
@@ -220,8 +221,9 @@ def _export(args: argparse.Namespace) -> int:
     import torch
 
     from clika_runtime.compiled import CompiledFunction
+    from clika_runtime.hints import first_line
 
-    target = _load_object(args.factory)()
+    target = _called(args.factory, _load_object(args.factory))
     options: dict[str, Any] = {"fullgraph": True, "dynamic": True if args.dynamic else None}
     if args.signature:
         specs = parse_signature(args.signature)
@@ -229,14 +231,43 @@ def _export(args: argparse.Namespace) -> int:
         call_args, call_kwargs = tuple(_example(s) for s in specs), {}
     else:
         example = _load_object(args.inputs)
-        example = example() if callable(example) else example  # a function returning examples, or the examples
+        example = _called(args.inputs, example) if callable(example) else example  # a function, or the examples
         call_args, call_kwargs = example if _is_args_kwargs(example) else _as_args(example)
     f = CompiledFunction(target, **options)
-    with torch.no_grad():
-        f(*call_args, **call_kwargs)
+    try:
+        with torch.no_grad():
+            f(*call_args, **call_kwargs)
+    except ClikaError:
+        raise
+    except Exception as e:  # the model's own error on the examples: what it said, not its frames
+        logger.debug("%s on the examples", args.factory, exc_info=e)
+        source = args.inputs or "--signature"
+        raise ValueError(f"{args.factory} raised {type(e).__name__} on the examples from {source} "
+                         f"({_shapes(call_args, call_kwargs)}): {first_line(e)}; give examples the model takes") from None
     path = f.take_graph().save(args.out)
     print(f"saved {path} (inputs {f.input_names})")
+    for note in f.capture_notes:
+        print(f"note: {note}")
     return 0
+
+
+def _called(spec: str, fn: Any) -> Any:
+    """``fn()``; an error of its own as one line naming ``spec`` (the traceback at DEBUG)."""
+    from clika_runtime.hints import first_line
+
+    try:
+        return fn()
+    except Exception as e:
+        logger.debug("calling %s", spec, exc_info=e)
+        raise ValueError(f"{spec}: calling it raised {type(e).__name__}: {first_line(e)}") from None
+
+
+def _shapes(call_args: tuple, call_kwargs: dict) -> str:
+    """``shapes [3, 5], mask=[3]``: the examples as the error names them."""
+    def shown(value: Any) -> str:
+        return str(list(value.shape)) if hasattr(value, "shape") else type(value).__name__
+
+    return "shapes " + ", ".join([shown(v) for v in call_args] + [f"{k}={shown(v)}" for k, v in call_kwargs.items()])
 
 
 def _as_args(example: Any) -> tuple[tuple, dict]:

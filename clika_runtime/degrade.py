@@ -18,9 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import torch
+
 from clika_runtime import capture as capture_mod
 from clika_runtime import hints, restore, trees
 from clika_runtime.errors import CaptureError, SignatureValueError, UncapturableError
+from clika_runtime.guards import SPECIAL_BELOW
 from clika_runtime.planning import CapturePlan, learned_static, unlifted, variant_static
 from clika_runtime.sharing import TARGETS
 from clika_runtime.target import Target
@@ -92,7 +95,7 @@ def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: rest
 
 def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Attempt:
     """The degrade ladder over fresh exports."""
-    notes: list[str] = []
+    notes = _specialised(target, plan)
     static_axes: list[tuple[str, int]] = []
     unliftable: frozenset[int] = frozenset()
     while True:
@@ -121,6 +124,20 @@ def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Att
             plan, axes = given_up
             static_axes += axes
             notes.append(f"axes {axes} could not be exported dynamic ({why}); captured them static")
+
+
+def _specialised(target: Target, plan: CapturePlan) -> list[str]:
+    """With ``dynamic=True``, a note per axis the plan left static because its size in the call is
+    0 or 1 (``CapturePlan``): the user asked for every axis dynamic and would not know otherwise."""
+    if target.options.dynamic is not True:
+        return []
+    return [
+        f"axis {axis} of '{name}' has size {size} in the example: torch.export specialises sizes 0 and 1, so it was "
+        f"captured static; capture with a size >= {SPECIAL_BELOW} on that axis to make it dynamic (or declare it: "
+        f"dynamic_axes, a named signature dim)"
+        for name, value, axes in zip(plan.call.names, plan.call.feeds, plan.dynamic) if isinstance(value, torch.Tensor)
+        for axis, size in enumerate(value.shape) if size < SPECIAL_BELOW and axis not in axes
+    ]
 
 
 def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> capture_mod.Capture:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import os
+import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +75,8 @@ def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
     import onnx
 
     path = Path(path)
+    if path.is_dir():
+        raise GraphFileError(f"{path}: a folder, not a graph file: {_what_to_pass(path, takes_model_folder=False)}")
     if not path.is_file():
         raise GraphFileError(f"{path}: no such file")
     graphfile.check(path)
@@ -159,15 +163,14 @@ def validate_graph(
     path = Path(path)
     if not path.exists():
         raise GraphFileError(f"{path}: no such file")
-    if (path / "config.pbtxt").is_file():
+    if path.is_dir() and not (path / "config.pbtxt").is_file():
+        raise GraphFileError(f"{path}: a folder without config.pbtxt: {_what_to_pass(path, takes_model_folder=True)}")
+    arrays = _read_reference(reference) if reference is not None else None  # unusable input before any check
+    if path.is_dir():
         path = _check_triton_folder(path, report)
         if path is None:
             return report
-    try:  # before anything opens the file: the checker and onnxruntime would read its external data
-        graphfile.check(path)
-        report.add(SAFE_TO_OPEN, True)
-    except GraphFileError as e:
-        report.add(SAFE_TO_OPEN, False, _first_line(e))
+    if not _opens_safely(path, report):
         return report
     session = _checked_session(path, place, report)
     if session is None:
@@ -179,9 +182,59 @@ def validate_graph(
         report.add("clika_runtime metadata", False, _first_line(e))
         return report
     _run_sizes(session, guard, str(path), dims or {}, np.random.default_rng(seed), report)
-    if reference is not None:
-        report.add("matches reference outputs", *_compare_reference(session, reference, rtol, atol))
+    if arrays is not None:
+        report.add("matches reference outputs", *_compare_reference(session, arrays, str(reference), rtol, atol))
     return report
+
+
+def _opens_safely(path: Path, report: Report) -> bool:
+    """Report whether the file reads only files in its folder and runs no code (before anything
+    opens it: the checker and onnxruntime would read its external data). A file that is no graph
+    at all is unusable input, as a missing one is: ``GraphFileError``, not a failed check."""
+    try:
+        graphfile.check(path)
+    except GraphFileError as e:
+        if not _is_protobuf(path):
+            raise
+        report.add(SAFE_TO_OPEN, False, _first_line(e))
+        return False
+    report.add(SAFE_TO_OPEN, True)
+    return True
+
+
+def _is_protobuf(path: Path) -> bool:
+    """The file parses as a serialised model (asked only after ``graphfile.check`` refused it, to
+    tell a graph reaching outside its folder from bytes that are no graph)."""
+    try:  # mapped, as graphfile.check reads it: weights are skipped by length, not read
+        with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, \
+                memoryview(mapped) as view:
+            graphfile.scan(view, str(path))
+    except (GraphFileError, OSError, ValueError):  # ValueError: an empty file cannot be mapped
+        return False
+    return True
+
+
+def _what_to_pass(folder: Path, *, takes_model_folder: bool) -> str:
+    """What to give instead of ``folder``: the graph it holds, or, for Triton's layouts, a model's
+    file (``inspect``) or a model folder (``validate``)."""
+    from clika_runtime import triton
+
+    if (folder / triton.CONFIG_FILE).is_file():  # only inspect refuses a model folder
+        model = triton.latest_model(folder)[1]
+        return (f"it is a Triton model folder: pass its model file, {model or folder / '<version>' / triton.MODEL_FILE} "
+                f"(validate takes the folder itself)")
+    models = sorted(p.parent for p in folder.glob(f"*/{triton.CONFIG_FILE}"))
+    if models:
+        if takes_model_folder:
+            return f"it is a Triton model repository: validate one model folder, e.g. {models[0]}"
+        model = triton.latest_model(models[0])[1]
+        return f"it is a Triton model repository: pass a model's file, e.g. {model or models[0]}"
+    graphs = sorted(folder.glob("*.onnx"))
+    if len(graphs) == 1:
+        return f"it holds one graph, pass {graphs[0]}"
+    if graphs:
+        return f"it holds {len(graphs)} graphs, pass one: {', '.join(p.name for p in graphs[:5])}"
+    return "give an .onnx file or a Triton model folder" if takes_model_folder else "give an .onnx file"
 
 
 def _checked_session(path: Path, place: Any, report: Report) -> Any:
@@ -358,11 +411,45 @@ def _run_once(session: Any, feeds: Mapping[str, Any], assignment: Mapping[str, i
     return (not problems), "; ".join(problems) or shapes
 
 
-def _compare_reference(session: Any, reference: str | os.PathLike, rtol: float, atol: float) -> tuple[bool, str]:
+def _read_reference(reference: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The arrays of a ``--reference`` file, by name; ``GraphInputError`` naming the file and what
+    it holds instead of an ``.npz`` of numeric arrays (pickled objects are never loaded)."""
+    expected = "expected an .npz of arrays (numpy.savez)"
+    path = Path(reference)
+    if not path.is_file():
+        raise GraphInputError(f"--reference {reference}: {'a folder, ' + expected if path.is_dir() else 'no such file'}")
     try:
-        data = np.load(reference)
-    except Exception as e:
-        return False, f"cannot read reference {reference}: {_first_line(e)}"
+        loaded = np.load(path)
+        if isinstance(loaded, np.ndarray):  # an .npy holds one array, with no name to match
+            arrays = None
+        else:
+            with loaded:
+                arrays = {name: loaded[name] for name in loaded.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # numpy's own words are about pickles
+        raise GraphInputError(f"--reference {reference}: {expected}, got {_kind_of_file(path, e)}") from None
+    if arrays is None:
+        raise GraphInputError(f"--reference {reference}: {expected}, got one unnamed array (an .npy): save the "
+                              f"inputs and outputs by name with numpy.savez")
+    return arrays
+
+
+def _kind_of_file(path: Path, error: BaseException) -> str:
+    """What a file that is not an .npz looks like, in a few words."""
+    with path.open("rb") as handle:
+        head = handle.read(512)
+    if head.startswith(b"PK"):
+        return f"a zip that numpy cannot read as arrays ({_first_line(error)})"
+    if not head:
+        return "an empty file"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "a file of another format"
+    return "a text file"
+
+
+def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: str, rtol: float,
+                       atol: float) -> tuple[bool, str]:
     inputs = [i.name for i in session.get_inputs()]
     missing = [n for n in inputs if n not in data]
     if not missing:  # arrays that do not fit the graph make the reference unusable, not the graph wrong
@@ -370,10 +457,10 @@ def _compare_reference(session: Any, reference: str | os.PathLike, rtol: float, 
         if problem is not None:
             raise GraphInputError(f"--reference {reference}: {problem}")
     if missing:
-        return False, f"reference lacks input(s) {missing}; it holds {sorted(data.files)}"
+        return False, f"reference lacks input(s) {missing}; it holds {sorted(data)}"
     try:
         outs = session.run(None, {n: data[n] for n in inputs})
-    except Exception as e:  # onnxruntime's types, or numpy refusing a pickled array
+    except Exception as e:  # onnxruntime's types
         return False, f"the graph does not run on the reference inputs: {_first_line(e)}"
     compared = []
     for meta, out in zip(session.get_outputs(), outs):

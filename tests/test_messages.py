@@ -164,3 +164,206 @@ def test_a_shipped_graph_names_an_argument_the_capture_left_to_its_default(tmp_p
     served = cr.load(f.take_graph().save(tmp_path / "scaled.onnx"))
     with pytest.raises(cr.GraphInputError, match=r"unexpected \['scale'\].*captured from"):
         served(x, mask=mask, scale=1.0)
+
+
+# ------------------------------------------------------------------- what a new user stumbles on
+
+
+def test_dynamic_true_names_the_size_1_axis_it_left_static():
+    # torch.export specialises sizes 0 and 1: a batch-1 example cannot make axis 0 dynamic.
+    f = cr.compile(torch.nn.Linear(8, 4).eval(), dynamic=True)
+    with torch.no_grad():
+        f(torch.randn(1, 8))
+    assert f.capture_notes == [
+        "axis 0 of 'input' has size 1 in the example: torch.export specialises sizes 0 and 1, so it was captured "
+        "static; capture with a size >= 2 on that axis to make it dynamic (or declare it: dynamic_axes, a named "
+        "signature dim)"], f.capture_notes
+
+
+def test_export_dynamic_says_which_axis_stayed_static_and_its_help_says_why(tmp_path, monkeypatch, capsys):
+    (tmp_path / "batch1_mod.py").write_text(textwrap.dedent("""
+        import torch
+        def model():
+            return torch.nn.Linear(4, 2).eval()
+        examples = (torch.randn(1, 4),)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "b1.onnx"
+    assert cli(["export", "batch1_mod:model", "--inputs", "batch1_mod:examples", "--out", str(out), "--dynamic"]) == 0
+    printed = capsys.readouterr().out
+    assert "note: axis 0 of 'input' has size 1 in the example: torch.export specialises sizes 0 and 1" in printed
+    with pytest.raises(SystemExit):
+        cli(["export", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "every axis dynamic from the first capture, except axes of size 0 or 1 in the example" in help_text
+
+
+def test_a_missing_reference_is_one_line_and_exit_2(saved, tmp_path, capsys):
+    missing = tmp_path / "missing.npz"
+    assert cli(["validate", str(saved), "--reference", str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"error: --reference {missing}: no such file" and not captured.out, captured
+
+
+def test_a_text_file_as_reference_says_what_was_expected_and_what_it_got(saved, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("the reference outputs are in the other folder\n")
+    assert cli(["validate", str(saved), "--reference", str(notes)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --reference {notes}: expected an .npz of arrays (numpy.savez), got a text file", err
+
+
+def test_a_single_npy_array_as_reference_is_told_to_name_its_arrays(saved, tmp_path, capsys):
+    array = tmp_path / "x.npy"
+    np.save(array, np.ones((2, 4), np.float32))
+    assert cli(["validate", str(saved), "--reference", str(array)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --reference {array}: expected an .npz of arrays (numpy.savez), got one unnamed array "
+                   f"(an .npy): save the inputs and outputs by name with numpy.savez"), err
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate"])
+def test_a_file_that_is_not_a_graph_is_exit_2_in_inspect_and_validate(command, tmp_path, capsys):
+    # docs/CLI.md: an unreadable file is unusable input (2), not a graph failing a check (1).
+    text = tmp_path / "notonnx.onnx"
+    text.write_text("not an onnx model\n")
+    assert cli([command, str(text)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith(f"error: {text}: not a readable ONNX model") and len(err.splitlines()) == 1, err
+    assert not captured.out
+
+
+def test_export_with_examples_that_break_the_model_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_mod.py").write_text(textwrap.dedent("""
+        import torch
+        def model():
+            return torch.nn.Linear(4, 2).eval()
+        examples = (torch.randn(3, 5),)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["export", "broken_mod:model", "--inputs", "broken_mod:examples", "--out", str(tmp_path / "m.onnx")]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: broken_mod:model raised RuntimeError on the examples from broken_mod:examples (shapes [3, 5]): "
+                   "mat1 and mat2 shapes cannot be multiplied (3x5 and 4x2); give examples the model takes"), err
+
+
+def test_inspect_of_a_folder_says_it_is_a_folder_and_what_to_pass(saved, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli(["inspect", str(empty)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {empty}: a folder, not a graph file: give an .onnx file"
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    (holder / "softmax.onnx").write_bytes(saved.read_bytes())
+    assert cli(["inspect", str(holder)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {holder}: a folder, not a graph file: it holds one graph, pass {holder / 'softmax.onnx'}")
+
+
+def test_inspect_and_validate_of_a_triton_repository_say_what_to_pass(saved, tmp_path, capsys):
+    repository = tmp_path / "repository"
+    model = cr.ModelGraph.load(saved).to_triton(repository, "softmax")
+    assert cli(["inspect", str(model)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {model}: a folder, not a graph file: it is a Triton model folder: pass its model file, "
+        f"{model / '1' / 'model.onnx'} (validate takes the folder itself)")
+    assert cli(["inspect", str(repository)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {repository}: a folder, not a graph file: it is a Triton model repository: pass a model's file, "
+        f"e.g. {model / '1' / 'model.onnx'}")
+    assert cli(["validate", str(repository)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {repository}: a folder without config.pbtxt: it is a Triton model repository: validate one "
+        f"model folder, e.g. {model}")
+
+
+def _data_dependent_slice(x):
+    return x[:int((x > 0).sum())]
+
+
+def test_a_data_dependent_capture_keeps_torchs_graph_dumps_off_the_console():
+    import subprocess
+    import sys
+
+    script = ("import torch, clika_runtime as cr\n"
+              "f = cr.compile(lambda x: x[:int((x > 0).sum())]); f(torch.randn(8)); f(torch.randn(8))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "serves eagerly until reset()" in lines[0], result.stderr  # our warning, nothing else
+
+
+def test_a_data_dependent_capture_logs_few_lines_and_restores_torchs_log_levels(caplog):
+    import logging
+
+    watched = ("torch", "torch.fx", "torch.__trace", "torch.fx.experimental.symbolic_shapes")
+    levels = {name: logging.getLogger(name).level for name in watched}
+    caplog.set_level(logging.DEBUG)
+    f = cr.compile(_data_dependent_slice)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(torch.randn(8))
+    assert f.state is cr.CompiledFunction.State.Fallback
+    foreign = [r.name for r in caplog.records if not r.name.startswith("clika_runtime")]
+    ours = [caplog.handler.format(r) for r in caplog.records if r.name.startswith("clika_runtime")]
+    assert not foreign, sorted(set(foreign))
+    assert len(ours) <= 3 and sum(len(text.splitlines()) for text in ours) <= 8, ours
+    assert {name: logging.getLogger(name).level for name in watched} == levels
+
+
+def test_a_size_read_from_a_tensor_is_not_called_a_branch():
+    with pytest.raises(CaptureError) as info:
+        cr.compile(_data_dependent_slice, fullgraph=True)(torch.randn(8))
+    message = str(info.value)
+    assert "branches" not in message and "torch.cond" not in message, message
+    assert "a size read from a tensor value" in message and "torch._check(" in message and "mask" in message, message
+
+
+def test_the_size_fix_the_hint_gives_is_served():
+    def bounded(x):  # the hint's fix: read the size with .item() and bound it with torch._check
+        n = (x > 0).sum().item()
+        torch._check(n >= 0)
+        torch._check(n <= x.shape[0])
+        return x[:n]
+
+    f = cr.compile(bounded, fullgraph=True)
+    for _ in range(3):
+        x = torch.randn(8)
+        torch.testing.assert_close(f(x), bounded(x))
+    assert f.state is cr.CompiledFunction.State.Compiled and len(f.captures) == 1 and f.captures[0].hits >= 2
+
+
+class _TiedMaxNorm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4, max_norm=1.0)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied, as language models tie them
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_embedding_max_norm_is_told_it_writes_its_weights_in_place():
+    with pytest.raises(CaptureError) as info:
+        with torch.no_grad():
+            cr.compile(_TiedMaxNorm().eval(), fullgraph=True)(torch.tensor([[1, 2, 3]]))
+    message = str(info.value)
+    assert "writes a weight in place" in message and "nn.Embedding(max_norm=...)" in message, message
+    assert "renormalises the rows it looks up in place on every forward" in message, message
+    assert "max_norm = None" in message and "torch.renorm" in message, message
+
+
+def test_the_max_norm_fix_the_hint_gives_is_served_and_matches_max_norm():
+    model, fixed = _TiedMaxNorm().eval(), _TiedMaxNorm().eval()
+    fixed.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the hint's fix: renormalise once, then max_norm=None
+        model.embed(torch.arange(10))  # max_norm has renormalised every row once: what the fix does up front
+        fixed.embed.weight.copy_(torch.renorm(fixed.embed.weight, 2, 0, fixed.embed.max_norm))
+        fixed.embed.max_norm = None
+        f = cr.compile(fixed, fullgraph=True)
+        ids = torch.tensor([[1, 2, 3], [4, 5, 9]])
+        torch.testing.assert_close(f(ids), model(ids))
+    assert f.state is cr.CompiledFunction.State.Compiled

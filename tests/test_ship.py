@@ -227,10 +227,20 @@ def test_cli_validate_passes_fails_and_rejects_unknown_dims(shipped, capsys, tmp
 
 
 def test_cli_validate_reports_a_broken_graph(tmp_path, capsys):
+    # A readable graph that fails a check is exit 1; bytes that are no graph are unusable input
+    # (exit 2: tests/test_messages.py).
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    graph = helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["y"])], "broken", [x],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     broken = tmp_path / "broken.onnx"
-    broken.write_bytes(b"not an onnx model")
+    onnx.save(helper.make_model(graph), broken)
     assert cli(["validate", str(broken)]) == 1
-    assert re.search(r"readable, reads only files in its folder  FAIL  .*not a readable ONNX model", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"readable, reads only files in its folder  ok", out)
+    assert re.search(r"onnx checker \(full\)  +FAIL  .*NoSuchOp", out), out
 
 
 def test_cli_validate_of_a_folder_that_is_no_triton_model_is_a_usage_error(tmp_path, capsys):
