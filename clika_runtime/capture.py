@@ -221,6 +221,7 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
         logger.debug("the fused graph disagrees with eager: serving the portable one")
         return assemble(made, place, optimize, owner, keep_optimized)
     made.phases["verify"] = time.perf_counter() - started
+    stats.hits = 0  # the verification run served no call
     return capture
 
 

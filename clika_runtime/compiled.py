@@ -41,13 +41,15 @@ class CompiledFunction(Generic[P, R]):
     capture's key by value. A call with a new structure or static value captures again (one
     capture per key, the least recently used dropped past ``config.cache_size``); a call whose
     shapes drift from a capture serves eagerly and re-captures with the drifted axes dynamic.
-    Past ``config.recapture_limit`` re-captures, or when a capture fails (the exporter refuses,
-    the graph disagrees with eager, the call mutated an input), the function serves eagerly until
-    ``reset()``, with a warning that says why (``fullgraph=True`` raises instead).
+    Past ``config.recapture_limit`` wasted re-captures (drift, numbers that vary, graphs dropped
+    before they served), or when a capture fails (the exporter refuses, the graph disagrees with
+    eager, the call mutated an input), the function serves eagerly until ``reset()``, with a
+    warning that says why (``fullgraph=True`` raises instead).
 
     Every new graph is run on the inputs that produced it and compared with the eager result
     before it serves anything. Graphs serve inference: outputs never require grad, and a call
-    with grad mode on and an input that requires grad runs eagerly. Weights, buffers and
+    with grad mode on and an input or a baked weight that requires grad runs eagerly, so
+    ``backward()`` works (serve under ``torch.inference_mode()`` or ``torch.no_grad()``). Weights, buffers and
     closed-over tensors are baked into the graph and watched: after ``load_state_dict`` or any
     in-place update, the next call re-captures. Why each re-capture happened is in
     ``recapture_reasons`` and on the ``clika_runtime`` logger.
@@ -58,7 +60,9 @@ class CompiledFunction(Generic[P, R]):
             dynamic from the first capture; names become ``input_names``; a call that breaks it
             raises ``SignatureError`` / ``SignatureValueError``.
         dynamic: ``None`` static first, drifted axes become dynamic; ``True`` every axis dynamic
-            from the first capture; ``False`` never dynamic (each shape set is its own capture).
+            from the first capture, but axes of size 0 or 1 in that call (torch.export
+            specialises them; a capture note says so); ``False`` never dynamic (each shape set
+            is its own capture).
         fullgraph: raise ``CaptureError`` instead of falling back to eager.
         optimize: ``False`` exports the graph as is and runs it with basic session optimisation.
         specialize: Python numbers: ``True`` always baked; ``False`` graph inputs from the first

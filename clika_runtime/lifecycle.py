@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from clika_runtime import degrade, hints, kvcache, memory, restore, staleness, trees
+from clika_runtime import degrade, hints, kvcache, memory, restore, staleness, trees, weights
 from clika_runtime.capture import Capture
 from clika_runtime.config import config
 from clika_runtime.errors import CaptureError, VerificationError
@@ -88,7 +88,7 @@ class Lifecycle:
             return self.target.fn(*args, **kwargs)
         with self.lock:
             why = f"the graph failed on these inputs ({hints.first_line(failed.error)}); re-captured from them"
-            self.table = without(self.table, [failed.capture], pending=why)
+            self.table = without(self.table, [failed.capture], pending=why, spends=True)
         return self.miss(args, kwargs)
 
     def _recall(self) -> None:
@@ -113,6 +113,9 @@ class Lifecycle:
         except Unkeyable as e:
             self._unkeyable(str(e))
             return Eager(), None, table.generation
+        if torch.is_grad_enabled() and (needing := weights.needing_grad(target.fn, target.owner)):
+            self._eager_because(_differentiating(needing))
+            return Eager(), call, table.generation
         decision = decide(table, call, target.options, target.owner)
         if isinstance(decision, (CapturePlan, Verify)):
             plan = decision.otherwise if isinstance(decision, Verify) else decision
@@ -179,7 +182,7 @@ class Lifecycle:
             moved = table.snapshot.moved() - table.written - written if table.captures else ()
         table = replace(table, written=table.written | written)
         if moved:  # the state moved since the other captures were made (not by the target itself)
-            table = without(table, table.captures, pending=None)
+            table = without(table, table.captures, pending=None, spends=False)
         knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
                             unliftable=attempt.unliftable)
         superseded = [c for ref in plan.replaces if (c := ref()) is not None and _covers(capture, c)]
@@ -187,8 +190,8 @@ class Lifecycle:
             logger.info("capture of %s: %s", self.target.name, note)
         if plan.reason is not None:
             logger.info("re-capture of %s: %s", self.target.name, plan.reason)
-        self.table = with_capture(table, capture, reason=plan.reason, replaces=superseded, knowledge=knowledge,
-                                  notes=attempt.notes, limit=config.cache_size, snapshot=snapshot)
+        self.table = with_capture(table, capture, reason=plan.reason, spends=plan.spends, replaces=superseded,
+                                  knowledge=knowledge, notes=attempt.notes, limit=config.cache_size, snapshot=snapshot)
         return knowledge if knowledge.learned != table.knowledge.learned else None
 
     def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int) -> Any:
@@ -229,13 +232,16 @@ class Lifecycle:
         return result()
 
     def _unkeyable(self, why: str) -> None:
-        name = self.target.name
         if self.target.fullgraph:
-            raise CaptureError(f"{name}: {why}; pass it as a tensor or a hashable value")
+            raise CaptureError(f"{self.target.name}: {why}; pass it as a tensor or a hashable value")
+        self._eager_because(f"{why}; serving this call eagerly")
+
+    def _eager_because(self, why: str) -> None:
+        """Say once (per reason) why calls serve eagerly without capturing."""
         if why not in self._warned:
             self._warned.add(why)
-            logger.info("%s: %s; serving such calls eagerly", name, why)
-            warnings.warn(f"clika_runtime: {name}: {why}; serving this call eagerly", stacklevel=_user_level())
+            logger.info("%s: %s", self.target.name, why)
+            warnings.warn(f"clika_runtime: {self.target.name}: {why}", stacklevel=_user_level())
 
 
 def _covers(new: Capture, old: Capture) -> bool:
@@ -273,6 +279,13 @@ def _unwatched(capture: Capture, written: staleness.Written) -> list[str]:
         notes.append(f"{staleness.words(written)} written by the target itself: not watched, "
                      "and served calls do not write it")
     return notes
+
+
+def _differentiating(needing: list[str]) -> str:
+    return (f"grad mode is on and the weights require grad ({staleness.listed(needing, repr)}): a graph's outputs cannot carry "
+            "gradients back, so such calls run eagerly (backward() works as without clika_runtime); serve "
+            "inference under torch.inference_mode() or torch.no_grad(), or freeze the weights "
+            "(model.requires_grad_(False))")
 
 
 def _mutation(names: list[str]) -> str:

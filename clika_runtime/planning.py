@@ -147,6 +147,7 @@ class CapturePlan:
     replaces: tuple[weakref.ref["Capture"], ...] = ()
     variant: bool = False
     untied: frozenset[frozenset[tuple[str, int]]] = frozenset()
+    spends: bool = True  # counts against config.recapture_limit (see CacheTable.spent)
     ties: tuple[tuple[tuple[int, int], ...], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -217,9 +218,28 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     if lift_reasons and call.key in table.entries:
         return decide(table, call, options, owner)
     reason = "; ".join(lift_reasons) or table.pending or _key_change(table, call)
+    spends = bool(lift_reasons) or (table.pending_spends if table.pending else _a_number_varies(table, call))
     plan = CapturePlan(call, _initial_dynamic(table, call, options), declared_axes(call, options), reason,
-                       untied=table.knowledge.untied)
+                       untied=table.knowledge.untied, spends=spends)
     return _budgeted(table, plan, options)
+
+
+def _a_number_varies(table: CacheTable, call: Call) -> bool:
+    """A new key that differs from a cached one only in the values of baked numbers (a float
+    torch.export specialises, an int it cannot lift): spends the budget, unlike a new string,
+    structure or dtype, since a number that varies on every call would capture on every call."""
+    for capture in table.captures:
+        key = capture.key
+        if (key.structure, key.tensors, key.training) != (call.key.structure, call.key.tensors, call.key.training):
+            continue
+        changed = [(a, b) for a, b in zip(key.statics, call.key.statics) if a != b]
+        if changed and all(_number(a) and _number(b) for a, b in changed):
+            return True
+    return False
+
+
+def _number(static: Any) -> bool:
+    return type(static) is tuple and static[:1] in ((int,), (float,))
 
 
 # Mismatches that a graph may be verified past (the eager result of the miss is in hand): sizes it
@@ -274,11 +294,25 @@ def _split(capture: "Capture", problems: Sequence[Any], call: Call) -> frozenset
 
 def _budgeted(table: CacheTable, plan: CapturePlan, options: Options) -> Decision:
     limit = config.recapture_limit
-    if plan.reason is not None and table.recaptures >= limit:
+    if plan.reason is not None and len(table.spent) >= limit:  # past that much waste, every re-capture stops
         hint = ("; a number that varies between calls feeds the graph when passed as a tensor "
-                "(torch.tensor(value))") if plan.reason.startswith("static value changed") else ""
-        return GiveUp(f"re-capture limit ({limit}) reached; last: {plan.reason}{hint}")
+                "(torch.tensor(value))") if plan.spends and plan.reason.startswith("static value changed") else ""
+        return GiveUp(f"re-capture limit ({limit}) reached; last: {plan.reason}{hint}; spent by {_spent(table.spent)}")
     return plan
+
+
+# Kinds of re-capture that spend the budget only when the graph they replace served no call (table.without).
+_UNSERVED = {"weights changed", "state changed"}
+
+
+def _spent(spent: Sequence[str]) -> str:
+    """What spent the budget, by kind, most first: ``5 shape drift, 3 weights changed ...``."""
+    kinds: dict[str, int] = {}
+    for reason in spent:
+        kind = reason.split(":")[0]
+        kind += " before its graph served a call" if kind in _UNSERVED else ""
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda item: -item[1]))
 
 
 def over_budget(table: CacheTable, plan: CapturePlan, options: Options) -> str | None:

@@ -8,9 +8,12 @@ sees either the old table or the new one, never half of each, and needs no lock.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
 
 from clika_runtime.key import CallKey, Described
 from clika_runtime.pystate import Snapshot
@@ -64,7 +67,12 @@ class CacheTable:
     ``written``, what the target's own calls write (``self.last_batch = ...``);
     ``fresh`` is the per-call check of both, and that no autocast region is active (one attribute
     away from a call);
-    ``pending`` is the reason the next capture will give (a graph dropped, weights changed).
+    ``pending`` is the reason the next capture will give (a graph dropped, weights changed), and
+    ``pending_spends`` whether that capture spends the re-capture budget;
+    ``spent``: the re-captures that spent it (drift, a number that varies, a graph that failed,
+    captures dropped or evicted before they served a call). New keys and weights or state that
+    changed after their graph served are re-captures too (``recaptures``), but not spent:
+    ``config.cache_size`` bounds keys, and a graph that served paid for itself.
     """
 
     state: State = State.Pending
@@ -80,6 +88,8 @@ class CacheTable:
     notes: tuple[str, ...] = ()
     fallback_why: str | None = None
     pending: str | None = None
+    pending_spends: bool = False
+    spent: tuple[str, ...] = ()
     last: Described | None = None  # the key of the last capture made (explains misses when none is cached)
     last_names: tuple[str, ...] = ()  # its graph input names
     generation: int = 0
@@ -109,23 +119,27 @@ def fresh(generation: int) -> CacheTable:
 
 
 def with_capture(
-    table: CacheTable, capture: "Capture", *, reason: str | None, replaces: Sequence["Capture"] = (),
+    table: CacheTable, capture: "Capture", *, reason: str | None, spends: bool, replaces: Sequence["Capture"] = (),
     knowledge: Knowledge, notes: Sequence[str] = (), limit: int, snapshot: Snapshot,
 ) -> CacheTable:
     """``table`` with ``capture`` installed beside the variants of its key (without ``replaces``),
     least recently used keys evicted past ``limit``; ``reason`` (None: the first capture) counts
-    as one re-capture; ``snapshot``: the state the capture read (the others must have read the same)."""
+    as one re-capture, and ``spends`` the budget; ``snapshot``: the state the capture read (the
+    others must have read the same)."""
     entries = dict(table.entries)
     kept = tuple(c for c in entries.pop(capture.key, ()) if c not in replaces)
     entries[capture.key] = (kept + (capture,))[-VARIANTS:]
+    spent = table.spent + ((reason,) if reason and spends else ())
     while len(entries) > max(1, limit):
         oldest = min(entries, key=lambda k: max(c.stats.last_use for c in entries[k]))
-        del entries[oldest]
+        if not any(c.stats.hits for c in entries.pop(oldest)):  # keys in rotation past the cache's size
+            spent += (f"a key evicted before it served a call (more keys in use than cache_size={limit}; "
+                      "raise cr.config.cache_size)",)
     return _rebuilt(
         table, entries, flat=capture.flat, state=State.Compiled, knowledge=knowledge, pending=None,
-        last=capture.described, last_names=capture.names, notes=table.notes + tuple(notes),
+        pending_spends=False, last=capture.described, last_names=capture.names, notes=table.notes + tuple(notes),
         recaptures=table.recaptures + (reason is not None), reasons=table.reasons + ((reason,) if reason else ()),
-        snapshot=snapshot,
+        spent=spent, snapshot=snapshot,
     )
 
 
@@ -136,12 +150,16 @@ def with_replaced(table: CacheTable, old: "Capture", new: "Capture") -> CacheTab
     return _rebuilt(table, entries, flat=flat)
 
 
-def without(table: CacheTable, dropped: Sequence["Capture"], pending: str | None) -> CacheTable:
-    """``table`` without some captures (a graph that failed, stale weights); the next capture says why."""
+def without(table: CacheTable, dropped: Sequence["Capture"], pending: str | None, spends: bool | None = None) -> CacheTable:
+    """``table`` without some captures (a graph that failed, stale weights); the next capture says
+    why, and spends the budget when ``spends`` says so (``None``: when none of them served a call,
+    as with weights that change on every call: a weights or state change spends only then)."""
     entries = {k: tuple(c for c in v if c not in dropped) for k, v in table.entries.items()}
     entries = {k: v for k, v in entries.items() if v}
     flat = table.flat if all(c.flat is not table.flat for c in dropped) else None
-    return _rebuilt(table, entries, flat=flat, pending=pending)
+    if spends is None:
+        spends = bool(dropped) and not any(c.stats.hits for c in dropped)
+    return _rebuilt(table, entries, flat=flat, pending=pending, pending_spends=spends)
 
 
 def rewatched(table: CacheTable, snapshot: Snapshot | None = None) -> CacheTable:
@@ -161,5 +179,24 @@ def _rebuilt(table: CacheTable, entries: dict, **changes: Any) -> CacheTable:
     snapshot = changes.pop("snapshot", table.snapshot)
     snapshot = snapshot if captures else Snapshot([])  # nothing captured: nothing to watch
     # Weights and state as captured, and no autocast region (its calls go the miss path: eager).
+    fresh = snapshot.check(watch.fresh) if snapshot.parts else watch.fresh
     return replace(table, entries=MappingProxyType(entries), watch=watch, snapshot=snapshot,
-                   fresh=snapshot.check(watch.fresh) if snapshot.parts else watch.fresh, **changes)
+                   fresh=_without_grad(fresh, tuple(b.tensor for b in watch.baked)), **changes)
+
+
+_grad_enabled = torch.is_grad_enabled
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _without_grad(fresh: Callable[[], bool], tensors: tuple) -> Callable[[], bool]:
+    """``fresh``, and no call that differentiates through the baked tensors: with grad mode on
+    and a baked tensor that requires grad, the call goes the miss path, which runs it eagerly
+    (a graph's outputs cannot carry gradients back to the weights). Read per call, not once:
+    ``requires_grad_()`` moves no counter. One C call when grad mode is off."""
+    if not tensors:
+        return fresh
+
+    def check() -> bool:
+        return fresh() and not (_grad_enabled() and any(map(_requires_grad, tensors)))
+
+    return check

@@ -220,6 +220,15 @@ def _module_lookup(owner: torch.nn.Module, name: str) -> Callable[[], Any] | Non
     return lambda: getattr(owner.get_submodule(path) if path else owner, attr)
 
 
+def needing_grad(target: Any, owner: torch.nn.Module | None) -> list[str]:
+    """The names of the tensors a call of ``target`` would bake that require grad: its owner's
+    parameters, those of the modules it reaches, and closed-over tensors (a learnable scale)."""
+    found = [name for name, p in owner.named_parameters() if p.requires_grad] if owner is not None else []
+    for where, module in pystate.modules_reached(target, owner):
+        found += [f"{where}.{name}" for name, p in module.named_parameters() if p.requires_grad]
+    return found + [name for name, t in closure_tensors(target) if t.requires_grad]
+
+
 def closure_tensors(target: Any) -> list[tuple[str, torch.Tensor]]:
     """The tensors the target's function reads from its closure or globals, by variable name."""
     found = []

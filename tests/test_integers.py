@@ -23,7 +23,7 @@ def test_an_integer_division_with_a_rounding_mode_is_exact(mode, dtype):
     a = torch.tensor([16777217, -24_999_999, 2_000_000_001, -7], dtype=dtype)
     b = torch.tensor([1, 5000, -3, 2], dtype=dtype)
     got = f(a, b)
-    assert f.state is cr.CompiledFunction.State.Compiled and f.captures[0].hits >= 2
+    assert f.state is cr.CompiledFunction.State.Compiled and f.captures[0].hits == 1  # served by the graph
     assert got.dtype == dtype and torch.equal(got, _divided(mode)(a, b))
 
 

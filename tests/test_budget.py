@@ -1,0 +1,91 @@
+"""The re-capture budget counts waste, not work: drift, numbers that vary, captures dropped or
+evicted before they served. New keys and weights that change after their graph served are
+re-captures (``recapture_count``) that spend nothing; ``config.cache_size`` bounds the keys."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import clika_runtime as cr
+from conftest import Counted
+
+Fallback = cr.CompiledFunction.State.Fallback
+
+
+def _act(x: torch.Tensor, mode: str) -> torch.Tensor:
+    return torch.relu(x) if mode == "relu" else torch.tanh(x) if mode == "tanh" else x * 2 if mode == "double" else -x
+
+
+def test_string_keys_within_the_cache_never_spend_the_budget():
+    cr.config.recapture_limit = 2
+    target = Counted(_act)
+    f = cr.compile(target)
+    x = torch.randn(3)
+    with torch.no_grad():
+        for _ in range(3):
+            for mode in ("relu", "tanh", "double", "negate"):
+                for _ in range(3):
+                    torch.testing.assert_close(f(x, mode), _act(x, mode))
+    assert f.state is not Fallback and f.recapture_count == 3 and len(f.captures) == 4
+    assert target.calls == 4 * 2  # each key: its eager call and its trace, once
+
+
+def test_reloaded_weights_after_serving_never_spend_the_budget():
+    cr.config.recapture_limit = 2
+    model = torch.nn.Linear(4, 4).eval()
+    f = cr.compile(lambda x, mode: _act(model(x), mode))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for reload in range(5):
+            model.load_state_dict({k: v + 0.1 for k, v in model.state_dict().items()})
+            for mode in ("relu", "tanh") * 5:
+                torch.testing.assert_close(f(x, mode), _act(model(x), mode))
+    assert f.state is not Fallback and f.recapture_count >= 5
+
+
+def test_a_float_that_varies_on_every_call_spends_it_and_the_message_says_so():
+    cr.config.recapture_limit = 2
+    f = cr.compile(lambda x, scale: x * scale)
+    x = torch.randn(3)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"re-capture limit \(2\) reached; last: static value "
+                                                           r"changed.*\(torch\.tensor\(value\)\); spent by 2 static value changed"):
+        for i in range(5):
+            torch.testing.assert_close(f(x, 1.0 + i / 10), x * (1.0 + i / 10))
+    assert f.state is Fallback
+
+
+def test_weights_that_change_before_their_graph_serves_spend_it():
+    cr.config.recapture_limit = 2
+    model = torch.nn.Linear(4, 4).eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"spent by 2 weights changed before its graph served a call"):
+        for _ in range(5):
+            model.weight.add_(0.01)  # an update on every call: no graph would ever serve
+            torch.testing.assert_close(f(x), model(x))
+    assert f.state is Fallback
+
+
+def test_more_keys_in_rotation_than_the_cache_holds_says_to_raise_cache_size():
+    cr.config.recapture_limit, cr.config.cache_size = 2, 2
+    f = cr.compile(_act)
+    x = torch.randn(3)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"spent by 2 a key evicted before it served a call \(more "
+                                                           r"keys in use than cache_size=2; raise cr\.config\.cache_size\)"):
+        for _ in range(3):
+            for mode in ("relu", "tanh", "double"):
+                torch.testing.assert_close(f(x, mode), _act(x, mode))
+    assert f.state is Fallback
+
+
+def test_drift_still_spends_it():
+    cr.config.recapture_limit = 1
+    f = cr.compile(lambda x: x.sum(0) if x.shape[0] > 3 else x.sum(1))
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"re-capture limit \(1\) reached; .*spent by 1 shape drift$"):
+        for n in (2, 3, 5):  # 2 -> 3: drift makes axis 0 dynamic; 5: the other side of the branch
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(f(x), x.sum(0) if n > 3 else x.sum(1))
+    assert f.state is Fallback and f.recapture_count == 1

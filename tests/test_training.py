@@ -1,0 +1,84 @@
+"""Calls that differentiate: a training loop through a compiled model runs eagerly (backward()
+works as without clika_runtime); inference under no_grad / inference_mode is served."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import clika_runtime as cr
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.GELU(), torch.nn.Linear(6, 2))
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return [torch.randn(4, 6) for _ in range(n)]
+
+
+def test_micro_batches_accumulate_gradients_as_eager():
+    model, twin = _model(), _model()
+    f = cr.compile(model)
+    with pytest.warns(UserWarning, match=r"grad mode is on and the weights require grad \('0\.weight', .*torch\.inference_mode\(\)"):
+        for x in _batches(4):  # no opt.step(): the weights stay, the gradients add up
+            f(x).sum().backward()
+            twin(x).sum().backward()
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+    assert f.recapture_count == 0 and f.state is not cr.CompiledFunction.State.Fallback
+
+
+def test_a_training_loop_with_steps_neither_recaptures_nor_falls_back():
+    model = _model()
+    f = cr.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in _batches(12):
+            opt.zero_grad()
+            f(x).pow(2).mean().backward()
+            opt.step()
+    assert f.recapture_count == 0 and f.state is cr.CompiledFunction.State.Pending and not f.captures
+    with torch.inference_mode():  # evaluation after training: served
+        x = torch.randn(3, 6)
+        f(x)
+        y = f(x)
+        torch.testing.assert_close(y, model(x))
+    assert f.state is cr.CompiledFunction.State.Compiled and f.captures[0].hits == 1
+
+
+def test_a_served_function_runs_eagerly_once_grad_mode_comes_back():
+    model = _model()
+    f = cr.compile(model)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        f(x)
+        f(x)
+    hits = f.captures[0].hits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = f(x)
+    assert out.requires_grad and f.captures[0].hits == hits  # eager, differentiable
+    out.sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_frozen_weights_are_served_in_grad_mode_until_they_are_unfrozen():
+    model = _model().requires_grad_(False)
+    f = cr.compile(model)
+    x = torch.randn(3, 6)
+    f(x)
+    f(x)
+    assert f.captures[0].hits == 1
+    model[2].weight.requires_grad_(True)  # fine-tune the head: the next call must be differentiable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = f(x)
+    assert out.requires_grad
+    out.sum().backward()
+    assert model[2].weight.grad is not None
