@@ -209,6 +209,7 @@ def _sources(fn: Any) -> str:
         functions += [v for _, v in _closure(inner) if isinstance(v, types.FunctionType)]  # helpers it closes over
     functions, named, files = _reached(functions)
     named |= {(f.__qualname__, n): v for f in functions for n, v in _closure(f)}  # make_predict(clamp)'s clamp
+    named |= {(f.__qualname__, n): v for f in functions for n, v in _defaults(f)}  # lambda x, c=ceil: ...
     files |= {_file(c) for c in classes} | {_file(f) for f in functions}
     files |= {_file(v) for v in named.values() if isinstance(v, (type, types.FunctionType)) and _ours(v)}
     values = sorted(f"{m}.{n}={_plain(v)}" for (m, n), v in named.items()
@@ -258,9 +259,14 @@ def _all_names(code: types.CodeType) -> set[str]:
 
 
 def _user_code(code: Any) -> bool:
-    """The user's own code: ``_ours``, and not an installed package (numpy's, timm's)."""
-    path = getattr(code, "__file__", None) or _file(code) or ""
-    return _ours(code) and "-packages" + os.sep not in path
+    """The user's own code (a function or a module): ``_ours``, and not an installed package
+    (numpy's, timm's)."""
+    if isinstance(code, types.ModuleType):
+        package, path = code.__name__.split(".")[0], getattr(code, "__file__", None) or ""
+        ours = package not in _KEYED and package not in sys.stdlib_module_names
+    else:
+        ours, path = _ours(code), _file(code) or ""
+    return ours and "-packages" + os.sep not in path
 
 
 def _environment(functions: list[types.FunctionType]) -> list[str]:
@@ -284,6 +290,14 @@ def _strings(code: types.CodeType) -> Iterable[str]:
 def _names_a_file(value: Any) -> bool:
     """A plain string that is the path of a file (a setting read at call time)."""
     return isinstance(value, str) and 0 < len(value) < 4096 and "\n" not in value and os.path.isfile(value)
+
+
+def _defaults(fn: types.FunctionType) -> list[tuple[str, Any]]:
+    """A function's default values, by parameter name (a factory's setting bound as a default)."""
+    code = fn.__code__
+    positional = code.co_varnames[:code.co_argcount]
+    found = list(zip(positional[len(positional) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
+    return found + sorted((fn.__kwdefaults__ or {}).items())
 
 
 def _closure(fn: types.FunctionType) -> list[tuple[str, Any]]:

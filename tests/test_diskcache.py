@@ -186,6 +186,17 @@ def test_a_plain_value_the_function_closes_over_is_in_the_key():
     torch.testing.assert_close(f(torch.full((2,), 3.0)), torch.full((2,), 0.5))
 
 
+def _pooled(ceil):
+    return lambda x, c=ceil: torch.nn.functional.max_pool1d(x, 2, ceil_mode=c)
+
+
+def test_a_default_value_of_the_function_is_in_the_key():
+    # Even sizes pool alike either way: the old graph would verify, then serve odd sizes wrong.
+    _capture(_pooled(True), torch.randn(1, 1, 10))
+    f = _capture(_pooled(False), torch.randn(1, 1, 10))
+    assert _exported(f)
+
+
 class _Table(torch.nn.Module):
     """Reads a plain tensor attribute: the exporter bakes it like a buffer."""
 
