@@ -110,12 +110,12 @@ def _capture(call, shape, ranges=(), conditions=(), verified=(), dynamic=None):
                     example=(), stats=SimpleNamespace(last_use=0.0))
 
 
-def _table(*captures, recaptures=0, knowledge=Knowledge()):
+def _table(*captures, recaptures=0, knowledge=Knowledge(), spent=()):
     entries = {}
     for c in captures:
         entries[c.key] = entries.get(c.key, ()) + (c,)
     return CacheTable(state=State.Compiled, entries=MappingProxyType(entries), recaptures=recaptures,
-                      knowledge=knowledge, last=captures[-1].described if captures else None)
+                      knowledge=knowledge, last=captures[-1].described if captures else None, spent=spent)
 
 
 def test_the_first_call_plans_a_capture_without_a_reason():
@@ -152,11 +152,19 @@ def test_a_flipped_condition_is_verified_until_the_points_run_out():
     assert isinstance(plan, CapturePlan) and plan.variant and "x.shape[0] == 4 was False, now True" in plan.reason
 
 
-def test_the_budget_gives_up_with_the_last_reason():
+def test_the_budget_gives_up_with_the_last_reason_and_what_spent_it():
     first = _call(torch.ones(2, 3))
-    table = _table(_capture(first, [(2, 3)]), recaptures=config.recapture_limit)
+    spent = ("shape drift: input 'x' axis 1: 3 -> 4",) * config.recapture_limit
+    table = _table(_capture(first, [(2, 3)]), recaptures=config.recapture_limit, spent=spent)
     decision = decide(table, _call(torch.ones(5, 3)), Options(), None)
-    assert isinstance(decision, GiveUp) and "shape drift" in decision.why
+    assert isinstance(decision, GiveUp) and "last: shape drift" in decision.why
+    assert decision.why.endswith(f"spent by {config.recapture_limit} shape drift")
+
+
+def test_re_captures_that_spent_nothing_leave_the_budget_whole():
+    first = _call(torch.ones(2, 3))
+    table = _table(_capture(first, [(2, 3)]), recaptures=config.recapture_limit)  # new keys, reloads
+    assert isinstance(decide(table, _call(torch.ones(5, 3)), Options(), None), CapturePlan)
 
 
 def test_a_call_that_differentiates_stays_eager():
