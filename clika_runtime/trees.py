@@ -149,8 +149,18 @@ def _mirror() -> None:
                 continue
             _mirrored.add(cls)
             # torch's pytree rebuilds a torch.Size as a plain tuple; eager returns the Size (``.numel()``)
-            rebuild = (lambda children, _: torch.Size(children)) if cls is torch.Size else node.unflatten_fn
+            rebuild = _size if cls is torch.Size else node.unflatten_fn
             optree.register_pytree_node(cls, _flatten_with_entries(node), _unflatten(rebuild), namespace=NAMESPACE)
+
+
+def _size(children: list[Any], _: Any) -> Any:
+    """A ``torch.Size`` rebuilt from its sizes; children that are not sizes (the placeholders
+    ``calls.original_slots`` maps a call's leaves with) pass through as a tuple."""
+    import torch
+
+    if all(isinstance(c, (int, torch.SymInt)) for c in children):
+        return torch.Size(children)
+    return tuple(children)
 
 
 def own(cls: type, flatten_fn: Callable[[Any], Any], unflatten_fn: Callable[[Any, Any], Any]) -> None:

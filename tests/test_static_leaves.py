@@ -71,3 +71,32 @@ def test_negative_zero_is_not_zero():
     x = torch.ones(2)
     torch.testing.assert_close(f(x, 0.0), torch.full((2,), float("inf")))
     torch.testing.assert_close(f(x, -0.0), torch.full((2,), float("-inf")))
+
+
+def test_a_torch_size_argument_drives_shapes_and_is_served():
+    # A shape passed along (reshape(target.shape)) rebuilt a torch.Size from placeholders and raised.
+    f = cr.compile(lambda x, s: x.reshape(s) * 2)
+    x = torch.randn(6)
+    with torch.no_grad():
+        for size in ([2, 3], [3, 2], [3, 2], [2, 3]):
+            torch.testing.assert_close(f(x, torch.Size(size)), x.reshape(size) * 2)
+    assert f.state is cr.CompiledFunction.State.Compiled and sum(c.hits for c in f.captures) >= 2
+
+
+def test_a_slice_of_a_shape_as_a_size_argument_is_served():
+    f = cr.compile(lambda x, size: torch.nn.functional.interpolate(x, size=size))
+    target = torch.randn(1, 1, 8, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(1, 1, 4, 4)
+            got = f(x, target.shape[-2:])
+            torch.testing.assert_close(got, torch.nn.functional.interpolate(x, size=(8, 8)))
+    assert f.captures[0].hits == 1
+
+
+def test_a_returned_torch_size_comes_back_as_a_torch_size():
+    f = cr.compile(lambda x, s: (x.reshape(s), s))
+    with torch.no_grad():
+        for _ in range(2):
+            out, size = f(torch.randn(6), torch.Size([2, 3]))
+    assert type(size) is torch.Size and size == torch.Size([2, 3]) and out.shape == (2, 3)
