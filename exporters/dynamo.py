@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
+import linecache
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import onnx_ir as ir
 import torch
@@ -22,6 +25,8 @@ _GRAPH_SCALARS = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
 # torch.export keeps process-wide tracing state: two exports at once (two threads capturing
 # different keys) corrupt each other, so exports take turns.
 _EXPORTING = threading.Lock()
+# The name torch.fx gives the source of each GraphModule it compiles (see `_fx_sources_dropped`).
+_FX_SOURCE = "<eval_with_key>"
 
 
 @dataclass
@@ -215,8 +220,13 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     """The exporter's program; its failures as one ``RuntimeError`` with the root cause, a trace
     that writes buffers as ``WritesState``."""
     try:
-        with _EXPORTING, quiet():
-            program = _onnx_program(
+        with _EXPORTING, quiet(), _fx_sources_dropped():
+            # In a copy of the context: every `config.patch(...)` torch enters makes a ContextVar
+            # of its own, which stays in the context that set it for good (5 a capture); in a
+            # copy, they go with it. The patches restore their values on exit, so nothing else
+            # the export sets is meant to outlive it.
+            program = contextvars.copy_context().run(
+                _onnx_program,
                 flat, tuple(examples), list(input_names), _dynamic_shapes(examples, dynamic) if examples else None, optimize
             )
     except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
@@ -224,6 +234,34 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     _refuse_state_writes(program.exported_program, owner)
     _refuse_random(program.exported_program, owner)
     return program
+
+
+@contextlib.contextmanager
+def _fx_sources_dropped() -> Iterator[None]:
+    """Forget the generated source of the GraphModules made inside the block.
+
+    torch.fx keeps the source of every GraphModule it compiles for good, for tracebacks: one entry
+    in ``linecache`` and one string in its loader's ``eval_cache``. An export compiles about 19,
+    so a process that re-captures grew by ~26 KiB a capture, forever. The modules an export makes
+    are not run after it (the graph is read, the program is ONNX), so their sources are dropped.
+    Only names this block added go; a GraphModule another thread compiles meanwhile loses its
+    source lines in tracebacks, nothing else.
+    """
+    loader = getattr(getattr(torch.fx, "graph_module", None), "_loader", None)
+    sources: dict[str, str] = getattr(loader, "eval_cache", {})
+    before_lines, before_sources = set(linecache.cache), set(sources)
+    try:
+        yield
+    finally:
+        # set(dict) copies in one C call: another thread's traceback may fill linecache meanwhile.
+        for name in _added(set(linecache.cache) - before_lines):
+            linecache.cache.pop(name, None)
+        for name in _added(set(sources) - before_sources):
+            sources.pop(name, None)
+
+
+def _added(names: set[str]) -> list[str]:
+    return [name for name in names if name.startswith(_FX_SOURCE)]
 
 
 class Uncapturable(RuntimeError):
