@@ -55,5 +55,35 @@ def _values(e: torch.Tensor, g: torch.Tensor) -> str | None:
     g64 = g if g.is_complex() else g.to(torch.float64)
     if torch.allclose(g64, e64, rtol=rtol, atol=atol, equal_nan=True):
         return None
-    worst = (g64 - e64).abs().nan_to_num(nan=math.inf).max().item()
-    return f"values differ: max abs difference {worst:.3g} (rtol={rtol}, atol={atol})"
+    return f"values differ: {'; '.join(_differences(e64, g64, rtol, atol))} (rtol={rtol}, atol={atol})"
+
+
+def _differences(e: torch.Tensor, g: torch.Tensor, rtol: float, atol: float) -> list[str]:
+    """What differs, by kind: NaN on one side only, infinities, and the largest difference where
+    both are finite. One max over everything would say "inf" for a NaN against a 0 (a fully
+    masked attention row), which reads as an overflow."""
+    e_nan, g_nan = e.isnan(), g.isnan()
+    numbers = ~(e_nan | g_nan)
+    infinite = numbers & (e.isinf() | g.isinf()) & (e != g)
+    finite = numbers & e.isfinite() & g.isfinite()
+    found = [
+        _positions("eager has NaN", e_nan & ~g_nan, "where the graph has numbers"),
+        _positions("the graph has NaN", g_nan & ~e_nan, "where eager has numbers"),
+        _positions("infinities differ", infinite, ""),
+    ]
+    if not torch.allclose(g[finite], e[finite], rtol=rtol, atol=atol):
+        worst = (g[finite] - e[finite]).abs().max().item()
+        found.append(f"max abs difference {worst:.3g}" + (" where both are finite" if any(found) else ""))
+    return [part for part in found if part]
+
+
+def _positions(what: str, where: torch.Tensor, against: str) -> str:
+    """``what`` at how many positions, and the first of them (``""`` when none)."""
+    count = int(where.sum().item())
+    if not count:
+        return ""
+    noun = "position" if count == 1 else "positions"
+    text = " ".join(filter(None, [what, f"at {count} {noun}", against]))
+    if where.dim() == 0:
+        return text
+    return f"{text}, the first at {[int(i) for i in where.nonzero()[0].tolist()]}"
