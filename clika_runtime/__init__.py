@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from clika_runtime.config import config
-from clika_runtime.errors import (
+from clika_runtime.base.config import config
+from clika_runtime.base.errors import (
     CaptureError,
     ClikaError,
     DeployError,
@@ -23,13 +23,13 @@ from clika_runtime.errors import (
     StateError,
     VerificationError,
 )
-from clika_runtime.graph import VERSION as __version__
-from clika_runtime.graph import ModelGraph
-from clika_runtime.served import load
-from clika_runtime.specs import DynamicAxes, PlaceLike, TensorSpec
+from clika_runtime.base.version import VERSION as __version__
+from clika_runtime.shipped.graph import ModelGraph
+from clika_runtime.shipped.served import load
+from clika_runtime.base.specs import DynamicAxes, PlaceLike, TensorSpec
 
 if TYPE_CHECKING:
-    from clika_runtime.compiled import CompiledFunction
+    from clika_runtime.function.compiled import CompiledFunction
     from clika_runtime.entry import compile
 
 __all__ = [
@@ -57,7 +57,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "CompiledFunction":
-        from clika_runtime.compiled import CompiledFunction
+        from clika_runtime.function.compiled import CompiledFunction
 
         return CompiledFunction
     if name == "compile":

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from clika_runtime.errors import ClikaError
+from clika_runtime.base.errors import ClikaError
 
 logger = logging.getLogger("clika_runtime")
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from clika_runtime.validation import format_inspection, inspect_graph
+    from clika_runtime.shipped.validation import format_inspection, inspect_graph
 
     info = inspect_graph(args.model)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
@@ -99,7 +99,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from clika_runtime.validation import validate_graph
+    from clika_runtime.shipped.validation import validate_graph
 
     report = validate_graph(
         args.model, reference=args.reference, dims=_parse_dims(args.dims), place=args.place,
@@ -110,7 +110,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _triton(args: argparse.Namespace) -> int:
-    from clika_runtime.graph import ModelGraph
+    from clika_runtime.shipped.graph import ModelGraph
 
     folder = ModelGraph.load(args.model).to_triton(
         args.repository, args.name, version=args.version, max_batch_size=args.max_batch_size,
@@ -123,8 +123,8 @@ def _triton(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from clika_runtime import diskcache
-    from clika_runtime.config import config
+    from clika_runtime.base.config import config
+    from clika_runtime.cache import diskcache
 
     if args.dir:
         config.cache_dir = args.dir
@@ -193,7 +193,7 @@ def parse_signature(items: Sequence[str]) -> list[Any]:
     """``['x:float32[batch,8]']`` -> ``[TensorSpec(('batch', 8), torch.float32, 'x')]``."""
     import torch
 
-    from clika_runtime.specs import TensorSpec
+    from clika_runtime.base.specs import TensorSpec
 
     specs = []
     for item in items:
@@ -220,8 +220,8 @@ def _example(spec: Any) -> Any:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from clika_runtime.compiled import CompiledFunction
-    from clika_runtime.hints import first_line
+    from clika_runtime.capture.hints import first_line
+    from clika_runtime.function.compiled import CompiledFunction
 
     target = _called(args.factory, _load_object(args.factory))
     options: dict[str, Any] = {"fullgraph": True, "dynamic": True if args.dynamic else None}
@@ -253,7 +253,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _called(spec: str, fn: Any) -> Any:
     """``fn()``; an error of its own as one line naming ``spec`` (the traceback at DEBUG)."""
-    from clika_runtime.hints import first_line
+    from clika_runtime.capture.hints import first_line
 
     try:
         return fn()

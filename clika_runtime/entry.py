@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, TypeVar, overload
 
-from clika_runtime.compiled import CompiledFunction
+from clika_runtime.function.compiled import CompiledFunction
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 @overload
 def compile(target: F, /, **options: Any) -> CompiledFunction: ...
+
+
 @overload
 def compile(target: None = None, /, **options: Any) -> Callable[[F], CompiledFunction]: ...
 

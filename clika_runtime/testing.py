@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from clika_runtime import trees
-from clika_runtime.compiled import CompiledFunction, State
+from clika_runtime.function.compiled import CompiledFunction, State
+from clika_runtime.trees import pytrees as trees
 
 
 def _split_call(example: Any) -> tuple[tuple, dict]:

@@ -18,7 +18,7 @@ import torch
 from transformers import GPT2Config, GPT2Model
 
 import clika_runtime as cr
-from clika_runtime.validation import save_reference, validate_graph
+from clika_runtime.shipped.validation import save_reference, validate_graph
 
 OUT = Path(__file__).resolve().parent.parent / "out" / "demo"
 

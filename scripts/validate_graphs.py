@@ -17,10 +17,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import build  # noqa: E402
 
-from clika_runtime.errors import DeployError  # noqa: E402
+from clika_runtime.base.errors import DeployError
 from clika_runtime.testing import assert_graph_matches_eager  # noqa: E402
-from clika_runtime.triton import check_repository  # noqa: E402
-from clika_runtime.validation import validate_graph  # noqa: E402
+from clika_runtime.triton.repository import check_repository
+from clika_runtime.shipped.validation import validate_graph
 
 
 def main() -> int:

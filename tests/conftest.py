@@ -10,7 +10,6 @@ import torch
 
 import clika_runtime as cr
 
-
 # The suite's on-disk capture cache: a fresh directory per run, never the user's (subprocesses
 # inherit it through the environment).
 os.environ["CLIKA_RUNTIME_CACHE_DIR"] = tempfile.mkdtemp(prefix="clika_runtime_tests_cache_")

@@ -18,8 +18,8 @@ from conftest import current
 
 import clika_runtime as cr
 import serving
-from clika_runtime import capture, fusing
-from clika_runtime.graph import GraphFolder
+from clika_runtime.capture import capture, fusing
+from clika_runtime.shipped.graph import GraphFolder
 
 
 def _bert() -> torch.nn.Module:

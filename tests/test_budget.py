@@ -4,13 +4,11 @@ re-captures (``recapture_count``) that spend nothing; ``config.cache_size`` boun
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
+from conftest import Counted
 
 import clika_runtime as cr
-from conftest import Counted
 
 Fallback = cr.CompiledFunction.State.Fallback
 

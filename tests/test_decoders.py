@@ -20,8 +20,8 @@ import torch
 import clika_runtime as cr
 
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

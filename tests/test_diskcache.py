@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import clika_runtime as cr
-from clika_runtime import diskcache, fingerprint
+from clika_runtime.cache import diskcache, fingerprint
 from clika_runtime.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent

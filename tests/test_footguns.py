@@ -17,10 +17,10 @@ import re
 
 import pytest
 import torch
+from conftest import Counted, current
 
 import clika_runtime as cr
 from clika_runtime import CaptureError
-from conftest import Counted, current
 
 State = cr.CompiledFunction.State
 

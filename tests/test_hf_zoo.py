@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import clika_runtime as cr
-from clika_runtime.validation import validate_graph
+from clika_runtime.shipped.validation import validate_graph
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import Counted, current, flat_hit
 
 import clika_runtime as cr
-from conftest import Counted, current, flat_hit
 
 State = cr.CompiledFunction.State
 

@@ -15,13 +15,13 @@ import onnx
 import pytest
 import tritonclient.http as triton
 from onnx import TensorProto, helper
+from v2_requests import BAD_REQUESTS, INPUTS, MAX_ELEMENTS, OUTPUTS, ids_entry, json_body, x_entry
 
 import clika_runtime as cr
-from clika_runtime.errors import GraphInputError, ProtocolError, ServeError
-from clika_runtime.served import TensorInfo
+from clika_runtime.base.errors import GraphInputError, ProtocolError, ServeError
+from clika_runtime.base.specs import TensorInfo
 from clika_runtime.kserve import batching, protocol, routes
 from clika_runtime.kserve.stats import Statistics
-from v2_requests import BAD_REQUESTS, INPUTS, MAX_ELEMENTS, OUTPUTS, ids_entry, json_body, x_entry
 
 MODEL = protocol.Model.from_graph("scorer", INPUTS, OUTPUTS)
 

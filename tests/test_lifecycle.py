@@ -10,10 +10,11 @@ import weakref
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import Counted, TinyNet
 
 import clika_runtime as cr
-from clika_runtime import StateError, memory
-from conftest import Counted, TinyNet
+from clika_runtime import StateError
+from clika_runtime.base import memory
 
 State = cr.CompiledFunction.State
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import clika_runtime as cr
-from clika_runtime.verify import first_mismatch
+from clika_runtime.capture.verify import first_mismatch
 
 BATCH, SEQ, WIDTH = 2, 4, 8
 

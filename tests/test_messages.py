@@ -13,7 +13,7 @@ import torch
 import clika_runtime as cr
 from clika_runtime import CaptureError
 from clika_runtime.cli import main as cli
-from clika_runtime.validation import save_reference
+from clika_runtime.shipped.validation import save_reference
 
 
 class _Dropped(torch.nn.Module):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import current
 
 import clika_runtime as cr
-from conftest import current
 import serving
 from clika_runtime import PlaceError
 

@@ -11,12 +11,13 @@ from types import MappingProxyType, SimpleNamespace
 import pytest
 import torch
 
-from clika_runtime.calls import CallForms
-from clika_runtime.config import config
-from clika_runtime.guards import Guard, InputRule, Verified
-from clika_runtime.key import CallKey, Described, Unkeyable, closest, explain, static_value
-from clika_runtime.planning import Call, CapturePlan, Eager, GiveUp, Options, Verify, decide
-from clika_runtime.table import CacheTable, Knowledge, State
+from clika_runtime.base.config import config
+from clika_runtime.capture.plan import Call, CapturePlan, Knowledge, Options
+from clika_runtime.function.planning import Eager, GiveUp, Verify, decide
+from clika_runtime.function.table import CacheTable, State
+from clika_runtime.guards.guard import Guard, InputRule, Verified
+from clika_runtime.trees.calls import CallForms
+from clika_runtime.trees.key import CallKey, Described, Unkeyable, closest, explain, static_value
 
 # ---------------------------------------------------------------------------------------- the key
 

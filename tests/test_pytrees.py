@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as torch_pytree
+from conftest import Counted
 from transformers import BatchEncoding
 from transformers.modeling_outputs import BaseModelOutput
 
 import clika_runtime as cr
-from clika_runtime import trees
-from conftest import Counted
+from clika_runtime.trees import pytrees as trees
 
 
 class Pair(NamedTuple):

@@ -7,12 +7,15 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
+from conftest import current
 
 import clika_runtime as cr
 import exporters.graph_edits
 import serving
-from clika_runtime import CaptureError, capture, pystate, trees
-from conftest import current
+from clika_runtime import CaptureError
+from clika_runtime.capture import capture
+from clika_runtime.state import pystate
+from clika_runtime.trees import pytrees as trees
 
 State = cr.CompiledFunction.State
 

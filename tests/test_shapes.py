@@ -7,10 +7,10 @@ import re
 import onnx
 import pytest
 import torch
+from conftest import Counted, TinyNet
 
 import clika_runtime as cr
 from clika_runtime import SignatureError, SignatureValueError, TensorSpec
-from conftest import Counted, TinyNet
 
 State = cr.CompiledFunction.State
 _EXPORTER_SYMBOL = re.compile(r"\b[su]\d+\b")

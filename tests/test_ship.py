@@ -19,8 +19,8 @@ import torch
 import clika_runtime as cr
 from clika_runtime import GraphFileError, GraphInputError
 from clika_runtime.cli import main as cli
+from clika_runtime.shipped.validation import save_reference
 from clika_runtime.testing import assert_graph_matches_eager
-from clika_runtime.validation import save_reference
 
 
 class Heads(NamedTuple):
@@ -330,9 +330,9 @@ def test_console_script_and_module_entry_point(shipped):
 
 
 def test_models_past_the_protobuf_limit_use_external_data_everywhere(tmp_path, monkeypatch):
-    from clika_runtime import graph as graph_module
+    from clika_runtime.format import graphfile
 
-    monkeypatch.setattr(graph_module, "_PROTOBUF_LIMIT", 1024)  # a 64x64 linear layer is past it now
+    monkeypatch.setattr(graphfile, "_PROTOBUF_LIMIT", 1024)  # a 64x64 linear layer is past it now
     model = torch.nn.Linear(64, 64).eval()
     f = cr.compile(model)
     x = torch.randn(2, 64)

@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from conftest import Counted
 
 import clika_runtime as cr
 from clika_runtime import GraphInputError
-from conftest import Counted
 
 State = cr.CompiledFunction.State
 

@@ -9,10 +9,10 @@ import types
 
 import pytest
 import torch
+from conftest import Counted
 
 import clika_runtime as cr
-from clika_runtime import pystate
-from conftest import Counted
+from clika_runtime.state import pystate
 
 
 class Knobs(torch.nn.Module):

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from conftest import Counted
 
 import clika_runtime as cr
 from clika_runtime import CaptureError
-from conftest import Counted
 
 
 def _scaled(x, k):

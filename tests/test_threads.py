@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import current
 
 import clika_runtime as cr
-from clika_runtime.sharing import TARGETS
-from conftest import current
+from clika_runtime.base.sharing import TARGETS
 
 State = cr.CompiledFunction.State
 

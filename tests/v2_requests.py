@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from clika_runtime.served import TensorInfo
+from clika_runtime.base.specs import TensorInfo
 
 INPUTS = [TensorInfo("x", "float32", ("x_dim0", 4)), TensorInfo("ids", "int64", ("x_dim0",))]
 OUTPUTS = [TensorInfo("scores", "float32", ("x_dim0", 3)), TensorInfo("best", "int64", ("x_dim0",))]

@@ -23,10 +23,10 @@ from ray.serve import Application
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from clika_runtime.errors import GraphFileError, GraphInputError, ProtocolError, ServeError
+from clika_runtime.base.errors import GraphFileError, GraphInputError, ProtocolError, ServeError
 from clika_runtime.kserve import batching, protocol, routes
 from clika_runtime.kserve.stats import Statistics
-from clika_runtime.served import load
+from clika_runtime.shipped.served import load
 
 logger = logging.getLogger("clika_runtime")
 

@@ -23,9 +23,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from clika_runtime.errors import ProtocolError, ServeError
-from clika_runtime.graph import VERSION
-from clika_runtime.describe import TensorInfo
+from clika_runtime.base.errors import ProtocolError, ServeError
+from clika_runtime.base.specs import TensorInfo
+from clika_runtime.base.version import VERSION
 
 # numpy's dtype name -> the v2 protocol's datatype. bfloat16 (numpy cannot hold it), strings and
 # complex numbers have no entry: a graph with one of them is refused at startup.

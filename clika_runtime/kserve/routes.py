@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator, Mapping
 
-from clika_runtime.errors import ProtocolError
+from clika_runtime.base.errors import ProtocolError
 from clika_runtime.kserve.protocol import MODEL_VERSION, byte_count, short
 
 

@@ -1,0 +1,1 @@
+"""What every other package stands on: errors, process-wide limits, specs, turn-taking, memory, the version."""

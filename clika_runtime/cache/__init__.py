@@ -1,0 +1,1 @@
+"""The on-disk capture cache: fingerprints, entries, restore."""

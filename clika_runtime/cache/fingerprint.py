@@ -1,0 +1,388 @@
+"""Fingerprints for the on-disk capture cache: what decides a graph, as a hex digest.
+
+A function's fingerprint covers its code (the target's function, or every submodule class's
+``forward`` with the module's plain attributes and config; the files that code is written in and
+the plain values of the globals it names), the content of its weights, buffers
+and closed-over tensors, the compile options, and the versions of the libraries that make the
+graph. A capture's fingerprint adds the call key and the plan (dynamic axes, tied axes, lifted
+numbers, the sizes of static axes). These are "as far as cheaply knowable": a cached graph is
+still verified against the first call's eager result before it serves anything.
+
+Weights are hashed once per tensor version: the digest is kept per tensor and reused while its
+version counter and data pointer stay the same. SHA-256 (twice blake2b's speed on CPUs with SHA
+instructions), several tensors at once when there is much to hash: hashlib releases the GIL.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import importlib.metadata
+import os
+import sys
+import types
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable
+
+import torch
+
+from clika_runtime.base.sharing import TARGETS
+from clika_runtime.base.version import VERSION
+from clika_runtime.capture.plan import CapturePlan
+from clika_runtime.capture.target import Target
+from clika_runtime.state import pystate
+from clika_runtime.state.weights import closure_tensors
+
+# id(tensor) -> (a weak reference to it, its state when hashed, the digest). Not a WeakKeyDictionary:
+# tensors compare elementwise, so they cannot be dictionary keys by value.
+_DIGESTS: dict[int, tuple[weakref.ref, tuple, str]] = {}
+_LIBRARIES = ("torch", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "transformers")
+_KEYED = frozenset(name.replace("-", "_") for name in _LIBRARIES) | {"builtins"}  # their code: by version
+# Past this many bytes of tensors, they are hashed on several threads (BERT-base: 440 MB, 0.24 s on one).
+_PARALLEL_BYTES = 64 * 2**20
+
+
+def function_key(target: Target) -> str:
+    """The digest of everything a function's graphs depend on but its calls. Reads the module as
+    an eager call does (holding ``TARGETS`` shared): an export elsewhere swaps its parameters."""
+    digest = hashlib.sha256(code_key(target).encode())
+    with TARGETS.shared():
+        tensors = _tensors(target)
+        for (name, _), tensor_hex in zip(tensors, _digests([t for _, t in tensors])):
+            digest.update(name.encode())
+            digest.update(tensor_hex.encode())
+    return digest.hexdigest()
+
+
+def code_key(target: Target) -> str:
+    """The digest of a function without its weights' values (their names, dtypes and shapes
+    only): what an earlier process learned about its calls' axes is keyed by it, so it is read
+    before the first call without hashing the weights."""
+    digest = hashlib.sha256()
+    with TARGETS.shared():
+        for part in (_versions(), _options(target), _code(target.fn), _sources(target.fn)):
+            digest.update(part.encode())
+        for name, tensor in _tensors(target):
+            digest.update(f"{name}:{tensor.dtype}{tuple(tensor.shape)}".encode())
+    return digest.hexdigest()
+
+
+def warm(target: Target) -> None:
+    """Hash the target's weights now (one thread), so a ``function_key`` soon after finds them
+    hashed: run beside a capture's eager call, which it overlaps (``restore.ahead``)."""
+    with TARGETS.shared():
+        tensors = [t for _, t in _tensors(target)]
+    for tensor in tensors:
+        with TARGETS.shared():  # between tensors, an export elsewhere may take its turn
+            tensor_digest(tensor)
+
+
+def _digests(tensors: list[torch.Tensor]) -> list[str]:
+    if sum(t.numel() * t.element_size() for t in tensors) < _PARALLEL_BYTES:
+        return [tensor_digest(t) for t in tensors]
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(tensor_digest, tensors))
+
+
+def capture_key(function: str, plan: CapturePlan, place: str) -> str:
+    """The digest of one capture: its function, call key, plan and place."""
+    call = plan.call
+    shapes = [
+        [("*" if a in axes else size) for a, size in enumerate(v.shape)] if isinstance(v, torch.Tensor) else "number"
+        for v, axes in zip(call.feeds, plan.dynamic)
+    ]
+    parts = [function, str(call.key.structure), _statics(call.key.statics),
+             repr([(str(d), r, str(dev)) for d, r, dev, *_ in call.key.tensors]), repr(call.key.training),
+             repr(shapes), repr(sorted(call.lifted)), repr([sorted(d.items(), key=str) for d in plan.dynamic]),
+             repr(plan.ties), repr(plan.variant), place]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A digest of a tensor's dtype, shape and bytes (cached while it is unchanged)."""
+    state = (tensor._version if not tensor.is_inference() else None, tensor.data_ptr(), tuple(tensor.shape))
+    cached = _DIGESTS.get(id(tensor))
+    if cached is not None and cached[0]() is tensor and cached[1] == state and state[0] is not None:
+        return cached[2]
+    data = tensor.detach().cpu().contiguous()
+    if data.dtype in (torch.bfloat16, torch.float16):
+        data = data.view(torch.int16)
+    digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    if data.numel():
+        digest.update(data.reshape(-1).view(torch.uint8).numpy() if data.dtype != torch.bool else data.numpy())
+    key = id(tensor)
+    _DIGESTS[key] = (weakref.ref(tensor, lambda _, key=key: _DIGESTS.pop(key, None)), state, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def _tensors(target: Target) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor a capture of ``target`` may bake: the owner's, and those its code closes over."""
+    found: list[tuple[str, torch.Tensor]] = []
+    if target.owner is not None:
+        found += list(target.owner.named_parameters()) + list(target.owner.named_buffers())
+        found += _attribute_tensors(target.owner)
+    found += closure_tensors(target.fn)
+    return found
+
+
+_REGISTERED = frozenset({"_parameters", "_buffers", "_modules"})  # a module's own registries, listed apart
+
+
+def _attribute_tensors(owner: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Tensors modules hold as plain attributes (``self.table = torch.zeros(10)``), directly or in
+    a list, tuple or dict: the exporter bakes them as it bakes buffers."""
+    found = []
+    for prefix, module in owner.named_modules():
+        for key, value in vars(module).items():
+            if key in _REGISTERED:
+                continue
+            name = f"{prefix}.{key}" if prefix else key
+            items = value.items() if isinstance(value, dict) else enumerate(value) \
+                if isinstance(value, (list, tuple)) else [(None, value)]
+            found += [(name if i is None else f"{name}[{i!r}]", v) for i, v in items if isinstance(v, torch.Tensor)]
+    return found
+
+
+def forget(target: Target) -> None:
+    """Hash the target's tensors afresh next time: a write through ``.data`` moves neither their
+    version nor their memory, so after one the digests kept for them are stale (``reset()``)."""
+    for _, tensor in _tensors(target):
+        _DIGESTS.pop(id(tensor), None)
+
+
+def _versions() -> str:
+    versions = [f"clika_runtime {VERSION}", f"python {sys.version_info[:3]}"]
+    for name in _LIBRARIES:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} -")
+    return ";".join(versions)
+
+
+def _options(target: Target) -> str:
+    o = target.options
+    return repr((o.signature, o.dynamic, sorted((k, sorted(v.items())) for k, v in o.dynamic_axes.items()),
+                 o.specialize, target.optimize, target.output_names, target.graph_name))
+
+
+def _code(fn: Any) -> str:
+    """The code a call runs, as far as cheaply knowable: functions' bytecode and constants, each
+    submodule class's forward, and the modules' plain attributes (sizes, flags, configs)."""
+    if isinstance(fn, torch.nn.Module):
+        return "|".join(f"{name}:{_module(m)}" for name, m in fn.named_modules())
+    owner = getattr(fn, "__self__", None)
+    text = _function(getattr(fn, "__func__", fn))
+    return text + ("|" + _code(owner) if isinstance(owner, torch.nn.Module) else "")
+
+
+def _module(module: torch.nn.Module) -> str:
+    cls = type(module)
+    attributes = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            continue
+        attributes.append(f"{key}={_plain(value)}")
+    return f"{cls.__module__}.{cls.__qualname__}[{_function(cls.forward)}]({','.join(attributes)})"
+
+
+def _sources(fn: Any) -> str:
+    """The files the call's code is written in, by content, with its classes' methods and the
+    plain values of the globals they (or the function) name and it closes over (a setting given to
+    a factory varies between runs of one file): an edited constant or helper method
+    changes what the graph computes, not the forward's bytecode. Code typed into a notebook has
+    no file: the methods and values stand in. torch's own code is keyed by its version.
+
+    What that code reads outside its own file is followed too (``_reached``): the values and
+    helpers of the user's modules it names (``settings.LIMIT``, set from the environment when
+    ``settings`` was imported), the environment variables it reads by name, and the files its
+    plain values name (a path read at call time): the graph bakes them, and a first call that
+    lands inside both limits of a clamp verifies the graph made under either."""
+    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    modules = list(owner.modules()) if isinstance(owner, torch.nn.Module) else []
+    classes = {c for m in modules for c in type(m).__mro__ if _ours(c)}
+    functions = [f for c in classes for f in vars(c).values() if isinstance(f, types.FunctionType) and _ours(f)]
+    if isinstance(inner := getattr(fn, "__func__", fn), types.FunctionType):
+        functions.append(inner)
+        functions += [v for _, v in _closure(inner) if isinstance(v, types.FunctionType)]  # helpers it closes over
+    functions, named, files = _reached(functions)
+    named |= {(f.__qualname__, n): v for f in functions for n, v in _closure(f)}  # make_predict(clamp)'s clamp
+    named |= {(f.__qualname__, n): v for f in functions for n, v in _defaults(f)}  # lambda x, c=ceil: ...
+    files |= {_file(c) for c in classes} | {_file(f) for f in functions}
+    files |= {_file(v) for v in named.values() if isinstance(v, (type, types.FunctionType)) and _ours(v)}
+    values = sorted(f"{m}.{n}={_plain(v)}" for (m, n), v in named.items()
+                    if not isinstance(v, (type, types.FunctionType, types.ModuleType)))
+    files |= {v for v in named.values() if _names_a_file(v)} | {v for m in modules for v in vars(m).values()
+                                                                 if _names_a_file(v)}
+    methods = sorted(_function(f) for f in functions)
+    return "|".join(values + methods + _environment(functions)
+                    + [f"{path}:{_file_digest(path)}" for path in sorted(p for p in files if p)])
+
+
+_REACHED = 256  # functions followed at most: a key, not a whole-program walk
+
+
+def _reached(functions: list[types.FunctionType]) -> tuple[list[types.FunctionType], dict, set]:
+    """``functions`` and the user's functions they reach through globals and modules they name,
+    with the globals and module attributes they read, by (module, name), and those modules' files."""
+    seen, queue, named, files = [], list(functions), {}, set()
+    while queue and len(seen) < _REACHED:
+        f = queue.pop()
+        if f in seen:
+            continue
+        seen.append(f)
+        attributes = _all_names(f.__code__)
+        for n in pystate.global_names(f.__code__):
+            if n not in f.__globals__:
+                continue
+            value = named[(f.__module__, n)] = f.__globals__[n]
+            if isinstance(value, types.FunctionType) and _user_code(value):
+                queue.append(value)
+            elif isinstance(value, types.ModuleType) and _user_code(value):
+                files.add(getattr(value, "__file__", None))
+                for a in attributes & set(vars(value)):  # settings.LIMIT, settings.limit()
+                    read = named[(value.__name__, a)] = vars(value)[a]
+                    if isinstance(read, types.FunctionType) and _user_code(read):
+                        queue.append(read)
+    return seen, named, files
+
+
+def _all_names(code: types.CodeType) -> set[str]:
+    """Every global and attribute name a code object (and the functions it defines) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _all_names(const)
+    return names
+
+
+def _user_code(code: Any) -> bool:
+    """The user's own code (a function or a module): ``_ours``, and not an installed package
+    (numpy's, timm's)."""
+    if isinstance(code, types.ModuleType):
+        package, path = code.__name__.split(".")[0], getattr(code, "__file__", None) or ""
+        ours = package not in _KEYED and package not in sys.stdlib_module_names
+    else:
+        ours, path = _ours(code), _file(code) or ""
+    return ours and "-packages" + os.sep not in path
+
+
+def _environment(functions: list[types.FunctionType]) -> list[str]:
+    """The environment variables the functions may read by name (``os.environ.get("LIMIT")``,
+    ``os.getenv(...)``): every string constant of a function that reads the environment."""
+    values = []
+    for f in functions:
+        if {"environ", "getenv"} & _all_names(f.__code__):
+            values += [f"${c}={os.environ.get(c)!r}" for c in _strings(f.__code__)]
+    return sorted(set(values))
+
+
+def _strings(code: types.CodeType) -> Iterable[str]:
+    for const in code.co_consts:
+        if isinstance(const, str):
+            yield const
+        elif isinstance(const, types.CodeType):
+            yield from _strings(const)
+
+
+def _names_a_file(value: Any) -> bool:
+    """A plain string that is the path of a file (a setting read at call time)."""
+    return isinstance(value, str) and 0 < len(value) < 4096 and "\n" not in value and os.path.isfile(value)
+
+
+def _defaults(fn: types.FunctionType) -> list[tuple[str, Any]]:
+    """A function's default values, by parameter name (a factory's setting bound as a default)."""
+    code = fn.__code__
+    positional = code.co_varnames[:code.co_argcount]
+    found = list(zip(positional[len(positional) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
+    return found + sorted((fn.__kwdefaults__ or {}).items())
+
+
+def _closure(fn: types.FunctionType) -> list[tuple[str, Any]]:
+    """The variables a function closes over, by name, but empty cells."""
+    cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
+    return [(name, cell.cell_contents) for name, cell in cells if pystate.filled(cell)]
+
+
+def _ours(code: Any) -> bool:
+    """Code whose changes the versions do not key: not the libraries in them, not Python's own."""
+    package = (getattr(code, "__module__", None) or "").split(".")[0]
+    return package not in _KEYED and package not in sys.stdlib_module_names
+
+
+def _file(code: Any) -> str | None:
+    """Where a class or function is written, if in a file."""
+    if isinstance(code, types.FunctionType):
+        return code.__code__.co_filename
+    return getattr(sys.modules.get(code.__module__), "__file__", None)
+
+
+_DIGESTED_BYTES = 2**20  # a larger file (weights a path names) is known by its time and size
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest_at(path: str, stamp: tuple[int, int]) -> str:
+    if stamp[1] > _DIGESTED_BYTES:
+        return f"{stamp[0]}:{stamp[1]}"
+    with open(path, "rb") as source:
+        return hashlib.sha256(source.read()).hexdigest()[:24]
+
+
+def _file_digest(path: str) -> str:
+    """A file's content digest (read again only when its time or size moves); '' for none."""
+    try:
+        stat = os.stat(path)
+        return _file_digest_at(path, (stat.st_mtime_ns, stat.st_size))
+    except OSError:  # "<stdin>", "<string>", a file deleted since: its code's values stand in
+        return ""
+
+
+def _plain(value: Any, depth: int = 4) -> str:
+    """A stable text of an attribute's value (configs by their dict; objects by their type;
+    containers ``depth`` levels down, then by their length)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return repr(value)
+    if isinstance(value, (tuple, list, dict)):
+        if depth == 0:
+            return f"{type(value).__qualname__}[{len(value)}]"
+        if isinstance(value, dict):  # SETTINGS = {"limit": 5.0}
+            return "{" + ",".join(sorted(f"{k!r}:{_plain(v, depth - 1)}" for k, v in value.items())) + "}"
+        return "[" + ",".join(_plain(v, depth - 1) for v in value) + "]"
+    if isinstance(value, enum.Enum):
+        return repr(value)
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        try:
+            return repr(sorted((str(k), repr(v)) for k, v in to_dict().items()))
+        except Exception:  # a to_dict that needs arguments: the type is what we have
+            pass
+    return type(value).__qualname__
+
+
+def _function(fn: Any) -> str:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return getattr(fn, "__qualname__", type(fn).__qualname__)
+    return f"{getattr(fn, '__qualname__', '')}:{_code_object(code)}"
+
+
+def _code_object(code: types.CodeType) -> str:
+    digest = hashlib.sha256(code.co_code)
+    for const in code.co_consts:
+        digest.update((_code_object(const) if isinstance(const, types.CodeType) else repr(const)).encode())
+    digest.update(repr(code.co_names).encode())
+    return digest.hexdigest()[:24]
+
+
+def _statics(statics: Iterable[Any]) -> str:
+    """Static values as stable text (code by its qualified name, not its address)."""
+    parts = []
+    for static in statics:
+        value = static[1] if isinstance(static, tuple) and len(static) > 1 else static
+        if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
+            parts.append(f"code {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}")
+        else:
+            parts.append(repr(static))
+    return "|".join(parts)

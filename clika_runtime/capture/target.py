@@ -1,0 +1,75 @@
+"""``Target``: what a compiled function wraps and how it is captured, fixed at ``compile()``.
+
+Also how the target is called eagerly: with the call exactly as the user made it, holding the
+process-wide ``TARGETS`` shared (never an export's turn), and, for a capturing call, whether it
+mutated an input in place (a graph cannot replay that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+import serving
+from clika_runtime.base.sharing import TARGETS
+from clika_runtime.capture.plan import Options
+from clika_runtime.trees.calls import CallForms
+
+_Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Target:
+    """The compiled callable and the options of its captures."""
+
+    fn: Callable[..., Any]
+    owner: torch.nn.Module | None  # the module whose weights graphs bake, if any
+    forms: CallForms
+    options: Options
+    fullgraph: bool
+    optimize: bool
+    place: serving.Place | None  # None: from the inputs' device
+    output_names: tuple[str, ...] | None
+    graph_name: str
+    name: str
+
+    def eager(self, args: tuple, kwargs: dict) -> Any:
+        """The target's own result for the call as made (never under a function's lock)."""
+        with TARGETS.shared():
+            return self.fn(*args, **kwargs)
+
+    def eager_checked(self, feeds: Sequence[Any], names: Sequence[str], args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
+        """The eager result, and the names of the fed tensors the call mutated in place."""
+        snapshots = [_snapshot(t) if isinstance(t, _Tensor) else None for t in feeds]
+        out = self.eager(args, kwargs)  # the target's own exceptions reach the caller unchanged
+        return out, [n for n, t, s in zip(names, feeds, snapshots) if s is not None and _mutated(t, s)]
+
+    def place_for(self, feeds: Sequence[Any]) -> serving.Place:
+        """Where a capture of these feeds runs: the given place, else CUDA for CUDA inputs when
+        onnxruntime has it, else CPU; on CUDA, on torch's current stream."""
+        place = self.place
+        if place is None:
+            cuda = next((t.device for t in feeds if isinstance(t, _Tensor) and t.device.type == "cuda"), None)
+            place = serving.resolve(str(cuda) if cuda is not None and serving.cuda_available() else "cpu")
+        return serving.with_torch_stream(place)
+
+
+def _snapshot(t: torch.Tensor) -> Any:
+    """What to compare after the eager call to tell whether it mutated ``t`` in place."""
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter: compare their bytes instead
+        return t.detach().clone()
+
+
+def _mutated(t: torch.Tensor, snapshot: Any) -> bool:
+    if isinstance(snapshot, int):
+        return t._version != snapshot
+    return t.shape != snapshot.shape or not torch.equal(_bytes(t), _bytes(snapshot))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # Bytes, not values: NaN != NaN would read as a mutation.
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,1 @@
+"""A graph file read as untrusted bytes, the metadata schema, and tree descriptions."""

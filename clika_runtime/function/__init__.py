@@ -1,0 +1,1 @@
+"""CompiledFunction: the hit, the miss lifecycle, the cache table, staleness, planning, degrading."""

@@ -1,0 +1,168 @@
+"""Build a capture, asking less of the exporter after each failure (the degrade ladder).
+
+1. Python numbers lifted to graph inputs are baked again (and remembered as unliftable).
+2. A variant (a branch side, sizes the dynamic graph did not handle) is exported with only the
+   user's declared axes dynamic, for itself alone.
+3. Otherwise the axes that drift made dynamic are exported static, and the function keeps them
+   static from then on (declared axes are always asked).
+
+Each step is noted (``f.capture_notes``); when no step is left, the last error is raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from clika_runtime.base.errors import CaptureError, SignatureValueError, UncapturableError
+from clika_runtime.base.sharing import TARGETS
+from clika_runtime.cache import restore
+from clika_runtime.capture import capture as capture_mod
+from clika_runtime.capture import hints
+from clika_runtime.capture.plan import CapturePlan
+from clika_runtime.capture.target import Target
+from clika_runtime.function.planning import learned_static, unlifted, variant_static
+from clika_runtime.guards.guard import SPECIAL_BELOW
+from clika_runtime.state.weights import watch_registrations
+from clika_runtime.trees import pytrees as trees
+
+logger = logging.getLogger("clika_runtime")
+PROGRESS_AFTER = 2.0  # seconds a capture runs before it says what it is doing
+
+
+@dataclass
+class Attempt:
+    """A capture that succeeded, the plan that made it, and what the retries gave up on the way."""
+
+    capture: capture_mod.Capture
+    plan: CapturePlan
+    notes: list[str]
+    static_axes: list[tuple[str, int]]
+    unliftable: frozenset[int]
+
+
+def build(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None = None) -> Attempt:
+    """Capture ``plan`` (its call's eager result is ``out``): from the disk cache when an earlier
+    process made it, else by exporting, degrading until it succeeds (then kept in the cache).
+    ``ahead``: the cache lookup started before the eager call. Raises the last ``CaptureError``
+    when nothing is left to give up."""
+    check_output_axes(target, out, plan)
+    watch_registrations()
+    with _progress(target, plan) as attempt_of:
+        attempt = _cached_or_exported(target, plan, out, ahead)
+        attempt_of.append(attempt)
+    return attempt
+
+
+@contextlib.contextmanager
+def _progress(target: Target, plan: CapturePlan) -> Iterator[list[Attempt]]:
+    """Say what a capture is doing when it takes longer than ``PROGRESS_AFTER`` seconds (big models
+    take minutes), and how long each phase took when it is done."""
+    shapes = ", ".join(f"{n}[{','.join(map(str, v.shape))}]" if hasattr(v, "shape") else f"{n}={v}"
+                       for n, v in zip(plan.call.names, plan.call.feeds))
+    timer = threading.Timer(PROGRESS_AFTER, logger.info, ("capturing %s(%s) ...", target.graph_name, shapes))
+    timer.daemon = True
+    started, done = time.perf_counter(), []
+    timer.start()
+    try:
+        yield done
+    finally:
+        timer.cancel()
+        took = time.perf_counter() - started
+        if done and took > PROGRESS_AFTER:
+            phases = ", ".join(f"{k} {v:.1f} s" for k, v in done[0].capture.stats.phases.items())
+            logger.info("captured %s(%s) in %.1f s: %s", target.graph_name, shapes, took, phases)
+
+
+def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None) -> Attempt:
+    ready = ahead.ready() if ahead is not None and ahead.plan is plan else None  # the plan the lookup was for
+    slot = ready.slot if ready is not None else restore.slot_for(target, plan)
+    if slot is not None:
+        found = restore.restore(slot, target, plan, out, ready)
+        if found is not None:
+            capture, used, meta = found
+            return Attempt(capture, used, list(meta["notes"]), [tuple(a) for a in meta["static_axes"]],
+                           frozenset(meta["unliftable"]))
+    attempt = _exported(target, plan, out, slot.cache.work if slot is not None else None)
+    if slot is not None:
+        restore.store(slot, attempt.capture, attempt.plan, attempt.notes, attempt.static_axes, attempt.unliftable,
+                      target.graph_name)
+    return attempt
+
+
+def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Attempt:
+    """The degrade ladder over fresh exports."""
+    notes = _specialised(target, plan)
+    static_axes: list[tuple[str, int]] = []
+    unliftable: frozenset[int] = frozenset()
+    while True:
+        try:
+            return Attempt(_build_once(target, plan, out, work_dir), plan, notes, static_axes, unliftable)
+        except UncapturableError:
+            raise
+        except CaptureError as error:
+            why = hints.first_line(error)
+            step = unlifted(plan, target.owner)
+            if step is not None:
+                unliftable = unliftable | plan.call.lifted
+                plan, names = step
+                notes.append(f"numbers {names} stay baked: the exporter could not lift them ({why})")
+                continue
+            if plan.variant:
+                retry = variant_static(plan)
+                if retry is None:
+                    raise
+                notes.append(f"a variant exported static ({why})")
+                plan = retry
+                continue
+            given_up = learned_static(plan)
+            if given_up is None:
+                raise
+            plan, axes = given_up
+            static_axes += axes
+            notes.append(f"axes {axes} could not be exported dynamic ({why}); captured them static")
+
+
+def _specialised(target: Target, plan: CapturePlan) -> list[str]:
+    """With ``dynamic=True``, a note per axis the plan left static because its size in the call is
+    0 or 1 (``CapturePlan``): the user asked for every axis dynamic and would not know otherwise."""
+    if target.options.dynamic is not True:
+        return []
+    return [
+        f"axis {axis} of '{name}' has size {size} in the example: torch.export specialises sizes 0 and 1, so it was "
+        f"captured static; capture with a size >= {SPECIAL_BELOW} on that axis to make it dynamic (or declare it: "
+        f"dynamic_axes, a named signature dim)"
+        for name, value, axes in zip(plan.call.names, plan.call.feeds, plan.dynamic) if isinstance(value, torch.Tensor)
+        for axis, size in enumerate(value.shape) if size < SPECIAL_BELOW and axis not in axes
+    ]
+
+
+def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> capture_mod.Capture:
+    inputs = set(plan.call.names)
+    return capture_mod.build(
+        plan, out, target=target.fn, forms=target.forms, owner=target.owner, output_names=target.output_names,
+        output_axes={n: dict(a) for n, a in target.options.dynamic_axes.items() if n not in inputs},
+        graph_name=target.graph_name, optimize=target.optimize, place=target.place_for(plan.call.feeds),
+        parameters=target.forms.positional, exporting=TARGETS.exclusive, work_dir=work_dir,
+    )
+
+
+def check_output_axes(target: Target, out: Any, plan: CapturePlan) -> None:
+    """``dynamic_axes`` names that are neither inputs nor outputs: an error listing both."""
+    unknown = set(target.options.dynamic_axes) - set(plan.call.names)
+    if not unknown:
+        return
+    leaves = trees.flatten(out)[0]
+    outputs = target.output_names or trees.output_names(out, leaves)
+    unknown -= set(outputs)
+    if unknown:
+        raise SignatureValueError(
+            f"dynamic_axes: {sorted(unknown)} match no input or output; inputs: {list(plan.call.names)}, "
+            f"outputs: {list(outputs)}"
+        )

@@ -1,0 +1,307 @@
+"""The miss path: decide under the lock, run the eager target and captures outside it, swap tables.
+
+The eager target never runs while the lock is held, so calls in Fallback (or after
+``take_graph()``) run fully concurrently and a capture in progress for one key does not block
+hits on others. A key being captured is marked in flight: another thread missing the same key
+serves eagerly meanwhile instead of capturing it twice. ``reset()`` starts a new generation; a
+capture that finishes for an older generation is dropped, never installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import warnings
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from clika_runtime.base import memory
+from clika_runtime.base.config import config
+from clika_runtime.base.errors import CaptureError, VerificationError
+from clika_runtime.base.sharing import TARGETS
+from clika_runtime.cache import restore
+from clika_runtime.capture import hints
+from clika_runtime.capture.capture import Capture
+from clika_runtime.capture.closures import RunFailed
+from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
+from clika_runtime.capture.target import Target
+from clika_runtime.capture.verify import first_mismatch
+from clika_runtime.function import degrade, staleness
+from clika_runtime.function.planning import (
+    Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget, planned,
+)
+from clika_runtime.function.table import CacheTable, State, fallen_back, fresh, with_capture, with_replaced, without
+from clika_runtime.state import weights
+from clika_runtime.state.pystate import Snapshot
+from clika_runtime.trees import kvcache
+from clika_runtime.trees import pytrees as trees
+from clika_runtime.trees.key import CallKey, Unkeyable
+
+logger = logging.getLogger("clika_runtime")
+
+
+class Lifecycle:
+    """The mutable heart of one ``CompiledFunction``: its current table and the miss path."""
+
+    def __init__(self, target: Target, lock: threading.RLock) -> None:
+        self.target, self.lock = target, lock
+        self.table: CacheTable = fresh(0)
+        self._inflight: set[tuple[int, CallKey]] = set()
+        self._warned: set[str] = set()
+
+    def swap(self, table: CacheTable) -> None:
+        """Install a new table (the caller holds the lock)."""
+        self.table = table
+
+    def reset(self) -> None:
+        """A fresh table of a new generation: captures still in progress will not be installed."""
+        with self.lock:
+            self.table = fresh(self.table.generation + 1)
+        restore.forget(self.target)  # the weights hashed again: a reset often follows a write no one sees
+        memory.give_back()
+
+    # ---------------------------------------------------------------------------------- the miss
+
+    def miss(self, args: tuple, kwargs: dict) -> Any:
+        """Serve a call no hit served: plan under the lock, act outside it."""
+        if TARGETS.exclusive_here():  # called inside an export in this thread: be traced through
+            return self.target.fn(*args, **kwargs)
+        if self.table.last is None and self.table.state is State.Pending:
+            self._recall()
+        with self.lock:
+            decision, call, generation = self._decide(args, kwargs)
+        if isinstance(decision, Serve):
+            return self._serve(decision.capture, call, args, kwargs)
+        if isinstance(decision, Eager):
+            return self.target.eager(args, kwargs)
+        if isinstance(decision, GiveUp):
+            return self._give_up(decision.why, generation, lambda: self.target.eager(args, kwargs))
+        plan = decision.otherwise if isinstance(decision, Verify) else decision
+        token = (generation, plan.call.key)
+        try:
+            if isinstance(decision, Verify):
+                return self._verify(decision, args, kwargs, generation)
+            return self._capture(decision, args, kwargs, generation)
+        finally:
+            with self.lock:
+                self._inflight.discard(token)
+
+    def run_failed(self, failed: RunFailed, args: tuple, kwargs: dict) -> Any:
+        """A graph failed on inputs its guard accepted: drop it, serve this call as a miss."""
+        if TARGETS.exclusive_here():  # fake tensors of an export in this thread, not a failure
+            return self.target.fn(*args, **kwargs)
+        with self.lock:
+            why = f"the graph failed on these inputs ({hints.first_line(failed.error)}); re-captured from them"
+            self.table = without(self.table, [failed.capture], pending=why, spends=True)
+        return self.miss(args, kwargs)
+
+    def _recall(self) -> None:
+        """Before a function's first capture: what an earlier process learned about it (read
+        outside the lock: disk I/O), so its first capture is planned as the last one was."""
+        knowledge = restore.recall(self.target)
+        with self.lock:
+            table = self.table
+            if knowledge is not None and table.last is None and table.state is State.Pending and not table.knowledge.learned:
+                self.table = replace(table, knowledge=knowledge)
+
+    def _decide(self, args: tuple, kwargs: dict) -> tuple[Decision, Call | None, int]:
+        table = self.table
+        if table.state is State.Fallback:
+            return Eager(), None, table.generation
+        kvcache.register()  # KV-cache classes flatten through their adapter (before torch's registry is mirrored)
+        trees.sync_registry((args, kwargs))  # new node types, and this call's containers of tensors
+        table = self.table = staleness.checked(table, self.target)
+        target = self.target
+        try:
+            call = Call(target.forms, args, kwargs, target.owner, table.knowledge, target.options)
+        except Unkeyable as e:
+            self._unkeyable(str(e))
+            return Eager(), None, table.generation
+        if torch.is_grad_enabled() and (needing := weights.needing_grad(target.fn, target.owner)):
+            self._eager_because(_differentiating(needing))
+            return Eager(), call, table.generation
+        decision = decide(table, call, target.options, target.owner)
+        if isinstance(decision, (CapturePlan, Verify)):
+            plan = decision.otherwise if isinstance(decision, Verify) else decision
+            token = (table.generation, plan.call.key)
+            if token in self._inflight or TARGETS.shared_here():
+                # another thread captures this key, or the target calls its own compiled function
+                return Eager(), call, table.generation
+            self._inflight.add(token)
+        return decision, call, table.generation
+
+    def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
+        try:
+            out = capture.run(call.feeds)
+        except Exception as error:
+            return self.run_failed(RunFailed(capture, error), args, kwargs)
+        return out if capture.finish is None else capture.finish(out, *call.canonical)  # a KV cache written back
+
+    # ------------------------------------------------------------------------------ capturing
+
+    def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, eager: Any = None) -> Any:
+        """Capture ``plan`` from its call (``eager``: its result when already in hand, as a 1-tuple)."""
+        with TARGETS.shared():
+            before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
+        ahead = restore.ahead(self.target, plan)  # the disk cache looked up beside the eager call
+        if eager is None:
+            out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
+            if mutated:
+                return self._give_up(_mutation(mutated), generation, lambda: out)
+        else:
+            (out,) = eager
+        with TARGETS.shared():
+            written = before.moved()  # by this call's eager run: outputs of the target, not inputs
+            # The state the trace starts from: a change another thread makes while it runs is a
+            # change the next call sees (taken after the trace, it would be baked unseen).
+            snapshot = before.refreshed(written)
+        plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
+        try:
+            attempt = degrade.build(self.target, plan, out, ahead)
+        except CaptureError as error:
+            why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
+                if written and isinstance(error, VerificationError) else ""
+            return self._give_up(f"capture failed: {error}{why}", generation, lambda: out)
+        attempt.notes.extend(_unwatched(attempt.capture, written))
+        with self.lock:
+            held = len(self.table.captures)
+            taught = self._install(attempt, generation, snapshot, written)
+            dropped = held + 1 > len(self.table.captures)
+        if taught is not None:  # outside the lock: disk I/O
+            restore.remember(self.target, taught)
+        if dropped:  # a superseded or evicted capture's session is gone: its memory too
+            memory.give_back()
+        return out
+
+    def _install(self, attempt: degrade.Attempt, generation: int, snapshot: Snapshot,
+                 written: staleness.Written) -> Knowledge | None:
+        """Swap in the table with the new capture (the caller holds the lock); return what the
+        function learned when the capture taught it something new."""
+        table, plan, capture = self.table, attempt.plan, attempt.capture
+        if table.generation != generation or table.state is State.Fallback:
+            return None  # reset() or a failure elsewhere since this capture began: it serves nothing
+        with TARGETS.shared():
+            if any(b.changed() for b in capture.baked):  # weights re-assigned while it was being made
+                return None  # (the watch counts registrations from now on): the next call captures again
+            moved = table.snapshot.moved() - table.written - written if table.captures else ()
+        table = replace(table, written=table.written | written)
+        if moved:  # the state moved since the other captures were made (not by the target itself)
+            table = without(table, table.captures, pending=None, spends=False)
+        knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
+                            unliftable=attempt.unliftable)
+        superseded = [c for ref in plan.replaces if (c := ref()) is not None and _covers(capture, c)]
+        for note in attempt.notes:
+            logger.info("capture of %s: %s", self.target.name, note)
+        if plan.reason is not None:
+            logger.info("re-capture of %s: %s", self.target.name, plan.reason)
+        self.table = with_capture(table, capture, reason=plan.reason, spends=plan.spends, replaces=superseded,
+                                  knowledge=knowledge, notes=attempt.notes, limit=config.cache_size, snapshot=snapshot)
+        return knowledge if knowledge.learned != table.knowledge.learned else None
+
+    def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int) -> Any:
+        """Sizes the graph was not traced for: keep it for them if it agrees with eager there."""
+        plan, capture = decision.otherwise, decision.capture
+        out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
+        if mutated:
+            return self._give_up(_mutation(mutated), generation, lambda: out)
+        if _blank(plan.call.feeds):  # zeros agree with either side of a branch: wait for a call that tells
+            return out
+        problem = _disagreement(capture, plan.call.feeds, out)
+        with self.lock:
+            table = self.table
+            if problem is None:
+                if table.generation == generation and capture in table.captures:
+                    self.table = with_replaced(table, capture, capture.verified_at(plan.call.feeds))
+                return out
+            why = over_budget(table, plan, self.target.options)
+        if why is not None:
+            return self._give_up(why, generation, lambda: out)
+        plan = CapturePlan(plan.call, plan.dynamic, plan.declared,
+                           f"{plan.reason}; the graph disagrees with eager there ({problem})", variant=True,
+                           untied=plan.untied)
+        return self._capture(plan, args, kwargs, generation, eager=(out,))
+
+    # ------------------------------------------------------------------------------- giving up
+
+    def _give_up(self, why: str, generation: int, result: Callable[[], Any]) -> Any:
+        """Fallback to eager with a warning that says why; ``fullgraph=True`` raises instead."""
+        name = self.target.name
+        if self.target.fullgraph:
+            raise CaptureError(f"{name}: {why}") from None
+        with self.lock:
+            if self.table.generation == generation and self.table.state is not State.Fallback:
+                self.table = fallen_back(self.table, why)
+                logger.info("%s serves eagerly until reset(): %s", name, why)
+                warnings.warn(f"clika_runtime: {name} serves eagerly until reset(): {why}", stacklevel=_user_level())
+        return result()
+
+    def _unkeyable(self, why: str) -> None:
+        if self.target.fullgraph:
+            raise CaptureError(f"{self.target.name}: {why}; pass it as a tensor or a hashable value")
+        self._eager_because(f"{why}; serving this call eagerly")
+
+    def _eager_because(self, why: str) -> None:
+        """Say once (per reason) why calls serve eagerly without capturing."""
+        if why not in self._warned:
+            self._warned.add(why)
+            logger.info("%s: %s", self.target.name, why)
+            warnings.warn(f"clika_runtime: {self.target.name}: {why}", stacklevel=_user_level())
+
+
+def _covers(new: Capture, old: Capture) -> bool:
+    """Whether ``new`` serves what ``old`` served: its guard accepts the call ``old`` was made
+    from, but for sizes 0/1 it verifies against eager once (worth it: ``old`` holds a session)."""
+    return all(m.kind == "special" for m in new.guard.mismatches(old.example))
+
+
+def _disagreement(capture: Capture, feeds: Any, out: Any) -> str | None:
+    """How the graph's result for ``feeds`` differs from eager's ``out`` (``None``: it agrees)."""
+    try:
+        served = trees.flatten(capture.run(feeds))[0]
+        eager = trees.flatten(out)[0]
+        return first_mismatch(trees.output_names(out, eager), eager, served)
+    except Exception as error:  # onnxruntime refuses the graph at these sizes
+        return hints.first_line(error)
+
+
+def _blank(feeds: Any) -> bool:
+    """Every fed tensor is all zeros (a warm-up call, a blank frame): agreeing with eager on it
+    says little about the other inputs of its sizes."""
+    tensors = [t for t in feeds if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.numel() and not t.any() for t in tensors)  # empty: its shape tells
+
+
+def _unwatched(capture: Capture, written: staleness.Written) -> list[str]:
+    """Notes on what a capture cannot watch: inference tensors, the state the target writes."""
+    notes = []
+    unseen = [b.name for b in capture.baked if b.version is None]
+    if unseen:
+        what = "is an inference tensor" if len(unseen) == 1 else "are inference tensors"
+        notes.append(f"{staleness.listed(unseen, repr)} {what} (made under torch.inference_mode()): "
+                     "in-place updates to it cannot be seen; call f.reset() after one")
+    if written:
+        notes.append(f"{staleness.words(written)} written by the target itself: not watched, "
+                     "and served calls do not write it")
+    return notes
+
+
+def _differentiating(needing: list[str]) -> str:
+    return (f"grad mode is on and the weights require grad ({staleness.listed(needing, repr)}): a graph's outputs cannot carry "
+            "gradients back, so such calls run eagerly (backward() works as without clika_runtime); serve "
+            "inference under torch.inference_mode() or torch.no_grad(), or freeze the weights "
+            "(model.requires_grad_(False))")
+
+
+def _mutation(names: list[str]) -> str:
+    return f"input mutation: the call modified input(s) {names} in place, which a graph cannot reproduce"
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` that points a warning at the user's call, past our own frames."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("clika_runtime"):
+        frame, level = frame.f_back, level + 1
+    return level

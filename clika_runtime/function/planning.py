@@ -1,0 +1,375 @@
+"""Capture planning: from a call, what the function knows, and its options, to what a miss does.
+
+Pure functions over plain data: nothing here exports, runs a graph or changes a table. A miss is
+one of: serve a capture another thread just made, serve eagerly, verify an existing graph at
+sizes 0/1, capture (first, new key, drift, a branch's other side), or give up (the budget).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
+
+import torch
+
+from clika_runtime.base.config import config
+from clika_runtime.base.errors import SignatureError, SignatureValueError
+from clika_runtime.base.specs import TensorSpec
+from clika_runtime.capture.plan import Call, CapturePlan, Knowledge, Options, declared_axes
+from clika_runtime.function.table import CacheTable
+from clika_runtime.state.pystate import autocast_off
+from clika_runtime.trees import kvcache
+from clika_runtime.trees import pytrees as trees
+from clika_runtime.trees.key import Lifted, closest, explain
+
+if TYPE_CHECKING:
+    from clika_runtime.capture.capture import Capture
+
+_Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------ decisions
+
+
+@dataclass(frozen=True)
+class Serve:
+    """A capture already serves this call (another thread made it meanwhile)."""
+
+    capture: "Capture"
+
+
+@dataclass(frozen=True)
+class Eager:
+    """Serve this call eagerly without capturing; ``why`` is said once when set."""
+
+    why: str | None = None
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Run an existing dynamic graph at the call's sizes 0/1 and compare with eager; when it
+    agrees it serves those sizes from now on, else ``otherwise`` captures a variant for them."""
+
+    capture: "Capture"
+    otherwise: CapturePlan
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """The re-capture budget is spent: serve eagerly until ``reset()``."""
+
+    why: str
+
+
+Decision = Union[Serve, Eager, CapturePlan, Verify, GiveUp]
+
+
+def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Module | None) -> Decision:
+    """What a miss does with ``call``, given everything ``table`` holds."""
+    check_signature(call, options)
+    if call.grad and torch.is_grad_enabled():
+        return Eager()  # the caller is differentiating: stay eager, capture nothing
+    if not autocast_off():
+        return Eager()  # autocast picks each op's dtype: a graph keeps the dtypes it was traced at
+    variants = table.entries.get(call.key, ())
+    for capture in variants:
+        if capture.guard.check(call.feeds) is None:
+            return Serve(capture)
+    if variants:
+        return _within_key(table, call, variants, options)
+    call, lift_reasons = _lift_changed_numbers(table, call, options, owner)
+    if lift_reasons and call.key in table.entries:
+        return decide(table, call, options, owner)
+    reason = "; ".join(lift_reasons) or table.pending or _key_change(table, call)
+    spends = bool(lift_reasons) or (table.pending_spends if table.pending else _a_number_varies(table, call))
+    plan = CapturePlan(call, _initial_dynamic(table, call, options), declared_axes(call, options), reason,
+                       untied=table.knowledge.untied, spends=spends)
+    return _budgeted(table, plan, options)
+
+
+def _a_number_varies(table: CacheTable, call: Call) -> bool:
+    """A new key that differs from a cached one only in the values of baked numbers (a float
+    torch.export specialises, an int it cannot lift): spends the budget, unlike a new string,
+    structure or dtype, since a number that varies on every call would capture on every call."""
+    for capture in table.captures:
+        key = capture.key
+        if (key.structure, key.tensors, key.training) != (call.key.structure, call.key.tensors, call.key.training):
+            continue
+        changed = [(a, b) for a, b in zip(key.statics, call.key.statics) if a != b]
+        if changed and all(_number(a) and _number(b) for a, b in changed):
+            return True
+    return False
+
+
+def _number(static: Any) -> bool:
+    return type(static) is tuple and static[:1] in ((int,), (float,))
+
+
+# Mismatches that a graph may be verified past (the eager result of the miss is in hand): sizes it
+# was not traced for, and branches that flip. Past MAX_POINTS verified points, a variant is traced.
+VERIFIABLE = frozenset({"special", "range", "condition"})
+MAX_POINTS = 4
+
+
+def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], options: Options) -> Decision:
+    """A call whose key is cached but whose sizes no capture of it accepts: verify the newest
+    capture it only lies outside of, else trace a variant beside it, else (a static size drifted)
+    re-capture with the drifted axes dynamic."""
+    found = [(c, c.guard.mismatches(call.feeds)) for c in reversed(variants)]  # newest first
+    declared = declared_axes(call, options)
+    for capture, problems in found:
+        if {p.kind for p in problems} <= VERIFIABLE:
+            reason = "; ".join(str(p) for p in problems)
+            variant = CapturePlan(call, capture.dynamic, declared, reason, variant=True, untied=table.knowledge.untied)
+            if len(capture.guard.verified) < MAX_POINTS:
+                return Verify(capture, variant)
+            return _budgeted(table, variant, options)
+    for capture, problems in found:
+        if {p.kind for p in problems} <= VERIFIABLE | {"number"}:
+            plan = CapturePlan(call, capture.dynamic, declared, "; ".join(str(p) for p in problems), variant=True,
+                               untied=table.knowledge.untied)
+            return _budgeted(table, plan, options)
+    capture, problems = min(found, key=lambda pair: (sum(p.kind != "size" for p in pair[1]),
+                                                     sum(p.kind == "size" for p in pair[1])))
+    drifted = [dict(axes) for axes in capture.dynamic]
+    for p in problems:
+        if p.kind == "size":
+            drifted[call.names.index(p.input)].setdefault(p.axis, None)
+    dynamic = tuple(_without_static(table, d, n, k) for d, n, k in zip(drifted, call.names, declared))
+    reasons = [f"shape drift: input '{p.input}' axis {p.axis}: {p.expected} -> {p.got}" if p.kind == "size" else str(p)
+               for p in problems]
+    untied = table.knowledge.untied | _split(capture, problems, call)
+    plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
+                       untied=untied)
+    return _budgeted(table, plan, options)
+
+
+def _split(capture: "Capture", problems: Sequence[Any], call: Call) -> frozenset[frozenset[tuple[str, int]]]:
+    """Axes a capture traced as one size that this call gives different sizes: never tie them again."""
+    pairs = set()
+    for p in problems:
+        if p.kind == "equal":
+            dim = capture.guard.inputs[call.names.index(p.input)].shape[p.axis]
+            first = next((r.name, r.shape.index(dim)) for r in capture.guard.inputs if r.shape and dim in r.shape)
+            pairs.add(frozenset({first, (p.input, p.axis)}))
+    return frozenset(pairs)
+
+
+def _budgeted(table: CacheTable, plan: CapturePlan, options: Options) -> Decision:
+    limit = config.recapture_limit
+    if plan.reason is not None and len(table.spent) >= limit:  # past that much waste, every re-capture stops
+        hint = ("; a number that varies between calls feeds the graph when passed as a tensor "
+                "(torch.tensor(value))") if plan.spends and plan.reason.startswith("static value changed") else ""
+        return GiveUp(f"re-capture limit ({limit}) reached; last: {plan.reason}{hint}; spent by {_spent(table.spent)}")
+    return plan
+
+
+# Kinds of re-capture that spend the budget only when the graph they replace served no call (table.without).
+_UNSERVED = {"weights changed", "state changed"}
+
+
+def _spent(spent: Sequence[str]) -> str:
+    """What spent the budget, by kind, most first: ``5 shape drift, 3 weights changed ...``."""
+    kinds: dict[str, int] = {}
+    for reason in spent:
+        kind = reason.split(":")[0]
+        kind += " before its graph served a call" if kind in _UNSERVED else ""
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda item: -item[1]))
+
+
+def over_budget(table: CacheTable, plan: CapturePlan, options: Options) -> str | None:
+    """Why ``plan`` may not be captured (the budget is spent), or ``None``."""
+    decision = _budgeted(table, plan, options)
+    return decision.why if isinstance(decision, GiveUp) else None
+
+
+def _key_change(table: CacheTable, call: Call) -> str | None:
+    """Why a call with a new key re-captures (``None``: the first capture since ``reset()``)."""
+    candidates = [c.described for c in table.captures] or ([table.last] if table.last is not None else [])
+    nearest = closest(candidates, call.key)
+    return None if nearest is None else explain(nearest, call.described)
+
+
+# ------------------------------------------------------------------------------------- dynamic axes
+
+
+def _initial_dynamic(table: CacheTable, call: Call, options: Options) -> tuple[dict[int, str | None], ...]:
+    """Dynamic axes of a new key's first capture: declared ones; with ``dynamic=True`` every
+    axis; with ``dynamic=None`` those drift taught about the same input name."""
+    dynamic = []
+    learned = table.knowledge.learned
+    for name, value, declared in zip(call.names, call.feeds, declared_axes(call, options)):
+        axes: dict[int, str | None] = {}
+        if isinstance(value, _Tensor) and options.dynamic is True:
+            axes = {a: None for a in range(value.dim())}
+        elif isinstance(value, _Tensor) and options.dynamic is None:
+            axes = {a: n for a, n in learned.get(name, {}).items() if a < value.dim()}
+        dynamic.append(_without_static(table, {**axes, **declared}, name, declared))
+    return tuple(dynamic)
+
+
+def _without_static(table: CacheTable, axes: Mapping[int, Any], name: str, declared: Mapping[int, Any]) -> dict:
+    """Drop axes the exporter could not make dynamic before (declared axes are always asked)."""
+    static = table.knowledge.static_axes
+    return {a: n for a, n in axes.items() if a in declared or (name, a) not in static}
+
+
+def variant_static(plan: CapturePlan) -> CapturePlan | None:
+    """A variant that failed dynamic: the same with only declared axes dynamic (``None`` when
+    nothing else was asked)."""
+    if all(set(axes) <= set(declared) for axes, declared in zip(plan.dynamic, plan.declared)):
+        return None
+    return replace(plan, dynamic=tuple(dict(k) for k in plan.declared))
+
+
+def learned_static(plan: CapturePlan) -> tuple[CapturePlan, list[tuple[str, int]]] | None:
+    """A capture that failed with learned dynamic axes: the same with only declared axes dynamic,
+    and the axes given up (the function keeps them static from now on)."""
+    given_up = [(n, a) for n, d, k in zip(plan.call.names, plan.dynamic, plan.declared) for a in d if a not in k]
+    if not given_up:
+        return None
+    return replace(plan, dynamic=tuple(dict(k) for k in plan.declared)), given_up
+
+
+def learned(
+    knowledge: Knowledge, plan: CapturePlan, options: Options, *, static_axes: Sequence[tuple[str, int]] = (),
+    unliftable: frozenset[int] = frozenset(),
+) -> Knowledge:
+    """What a successful capture teaches: its dynamic axes by input name, its lifted numbers, and
+    what its retries gave up (axes exported static, numbers the exporter could not lift)."""
+    learned_axes = dict(knowledge.learned)
+    if options.dynamic is None and not plan.variant:
+        for name, value, axes in zip(plan.call.names, plan.call.feeds, plan.dynamic):
+            if isinstance(value, _Tensor):
+                learned_axes[name] = MappingProxyType(dict(axes))
+    structure = plan.call.structure
+    lifted = dict(knowledge.lifted)
+    if plan.call.lifted:
+        lifted[structure] = plan.call.lifted
+    else:
+        lifted.pop(structure, None)
+    never = dict(knowledge.unliftable)
+    if unliftable:
+        never[structure] = never.get(structure, frozenset()) | unliftable
+    return Knowledge(
+        learned=MappingProxyType(learned_axes), static_axes=knowledge.static_axes | frozenset(static_axes),
+        lifted=MappingProxyType(lifted), unliftable=MappingProxyType(never), untied=knowledge.untied | plan.untied,
+    )
+
+
+# ------------------------------------------------------------------------------------------ numbers
+
+
+def _lift_changed_numbers(
+    table: CacheTable, call: Call, options: Options, owner: torch.nn.Module | None
+) -> tuple[Call, list[str]]:
+    """``specialize=None``: ints whose value changed against a capture of the same structure
+    become graph inputs (floats stay baked: torch.export specialises Python floats)."""
+    if options.specialize is not None:
+        return call, []
+    same = [c for c in table.captures if c.key.structure == call.key.structure and c.key.tensors == call.key.tensors
+            and c.key.training == call.key.training]
+    if not same:
+        return call, []
+    old = same[-1]
+    unliftable = table.knowledge.unliftable.get(call.structure, frozenset())
+    statics = [i for i, v in enumerate(call.leaves) if not isinstance(v, _Tensor)]
+    changed = []
+    for i, name, before, now in zip(statics, call.described.static_names, old.key.statics, call.key.statics):
+        if before == now or i in call.lifted or i in unliftable or isinstance(before, Lifted):
+            continue
+        if type(call.leaves[i]) is int and before[0] is int:
+            changed.append((i, name, before[1], call.leaves[i]))
+    if not changed:
+        return call, []
+    reasons = [f"static value changed: '{n}' {a} -> {b}; it becomes a graph input" for _, n, a, b in changed]
+    return call.with_lift(call.lifted | {i for i, *_ in changed}, owner), reasons
+
+
+def unlifted(plan: CapturePlan, owner: torch.nn.Module | None) -> tuple[CapturePlan, list[str]] | None:
+    """A capture that failed with lifted numbers: the same with every number baked, and the
+    names of the numbers given up (``None`` when nothing was lifted)."""
+    call = plan.call
+    if not call.lifted:
+        return None
+    names = [n for n, p in zip(call.names, call.positions) if p in call.lifted]
+    tensors = [isinstance(v, _Tensor) for v in call.feeds]
+    dynamic = tuple(dict(axes) for axes, keep in zip(plan.dynamic, tensors) if keep)
+    declared = tuple(dict(axes) for axes, keep in zip(plan.declared, tensors) if keep)
+    return replace(plan, call=call.with_lift(frozenset(), owner), dynamic=dynamic, declared=declared), names
+
+
+# ---------------------------------------------------------------------------------------- signature
+
+
+def check_signature(call: Call, options: Options) -> None:
+    """A call that breaks the declared signature or declared dim names raises before anything runs."""
+    tensors = [(n, t) for n, t in zip(call.names, call.feeds) if isinstance(t, _Tensor)]
+    declared: list[tuple[str, int, str]] = []  # (input, axis, dim name) declared by name
+    if options.signature:
+        declared += _check_specs(tensors, options.signature)
+    shapes = dict(tensors)
+    for name, axes in options.dynamic_axes.items():
+        if name in shapes:
+            declared += [(name, a, d) for a, d in axes.items() if d and a < shapes[name].dim()]
+    first: dict[str, tuple[str, int, int]] = {}
+    for name, axis, dim in declared:
+        size = shapes[name].shape[axis]
+        seen = first.setdefault(dim, (name, axis, size))
+        if seen[2] != size:
+            raise SignatureValueError(
+                f"input '{name}' axis {axis}: dim '{dim}' is {size}, but input '{seen[0]}' axis {seen[1]} "
+                f"gave it {seen[2]} (equal dim names mean equal sizes)"
+            )
+
+
+def _check_specs(tensors: list[tuple[str, _Tensor]], signature: Sequence[TensorSpec]) -> list[tuple[str, int, str]]:
+    if len(tensors) != len(signature):
+        raise SignatureError(
+            f"signature declares {len(signature)} tensor inputs, the call has {len(tensors)}: {[n for n, _ in tensors]}"
+        )
+    named = []
+    for (name, t), spec in zip(tensors, signature):
+        if spec.dtype is not None and t.dtype != spec.dtype:
+            raise SignatureError(f"input '{name}': expected dtype {spec.dtype}, got {t.dtype}")
+        if t.dim() != len(spec.shape):
+            raise SignatureError(f"input '{name}': expected rank {len(spec.shape)} {list(spec.shape)}, got shape {tuple(t.shape)}")
+        for axis, (want, got) in enumerate(zip(spec.shape, t.shape)):
+            if isinstance(want, int) and want != got:
+                raise SignatureValueError(f"input '{name}' axis {axis}: expected size {want} {list(spec.shape)}, got {got}")
+        named += [(name, a, d) for a, d in enumerate(spec.shape) if isinstance(d, str)]
+    return named
+
+
+def planned(plan: CapturePlan, eager_out: Any, options: Options) -> CapturePlan:
+    """The capture plan of a decoder step (a call whose output holds a cache) with its sequence
+    axes dynamic (see ``trees.kvcache``'s docstring); any other plan as it is. Variants (graphs for sizes
+    0/1 or a branch side) and ``dynamic=False`` are left alone."""
+    if plan.variant or options.dynamic is False or not kvcache.adapting():
+        return plan
+    out_leaves, out_structure = trees.flatten(eager_out)
+    present = [out_leaves[i] for i in kvcache.cache_leaves(out_structure)]
+    if not present:
+        return plan
+    length = max(t.shape[kvcache.SEQUENCE_AXIS] for t in present)
+    call = plan.call
+    past = kvcache.cache_leaves(call.structure)
+    name = kvcache.TOTAL_DIM if past else kvcache.SEQUENCE_DIM
+    dynamic = []
+    for position, value, axes, declared in zip(call.positions, call.feeds, plan.dynamic, plan.declared):
+        shape = getattr(value, "shape", None)
+        wanted: dict[int, str] = {}
+        if shape is None:
+            pass
+        elif position in past:
+            wanted[kvcache.SEQUENCE_AXIS] = kvcache.PAST_DIM
+        elif len(shape) == 1 and shape[0] == length:
+            wanted[0] = name
+        else:
+            wanted.update({a: name for a in range(1, len(shape)) if shape[a] == length})
+        # Axes the user declared keep the user's names.
+        dynamic.append({**axes, **{a: n for a, n in wanted.items() if a not in declared}})
+    return replace(plan, dynamic=tuple(dynamic))

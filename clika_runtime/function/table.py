@@ -1,0 +1,185 @@
+"""The state of one compiled function: an immutable ``CacheTable``, replaced whole on every change.
+
+Hits read the table a function holds at that moment and nothing else; misses, ``reset()``,
+evictions and new captures build a new table and swap it in under the function's lock. A hit thus
+sees either the old table or the new one, never half of each, and needs no lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from clika_runtime.capture.plan import Knowledge
+from clika_runtime.state.pystate import Snapshot
+from clika_runtime.state.weights import Watch
+from clika_runtime.trees.key import CallKey, Described
+
+if TYPE_CHECKING:
+    from clika_runtime.capture.capture import Capture
+
+# Graphs kept per key for sizes on either side of a branch the trace took (`if seq == 1:`), and for
+# sizes 0/1 the dynamic graph does not handle, so calls alternating across them stop re-capturing.
+VARIANTS = 4
+
+
+class State(enum.Enum):
+    """Where the function is in its capture lifecycle.
+
+    ``Pending``: nothing captured yet. ``Compiled``: a captured graph serves calls whose structure
+    and shapes it matches. ``Fallback``: serving eagerly, and not re-capturing, until ``reset()``.
+    """
+
+    Pending = "pending"
+    Compiled = "compiled"
+    Fallback = "fallback"
+
+
+@dataclass(frozen=True)
+class CacheTable:
+    """Everything a compiled function knows, as one value.
+
+    ``entries`` maps a key to its captures (one, or a few variants), in least-recently-captured
+    order; ``flat`` is the flat hit of the newest capture; ``watch`` checks the baked weights;
+    ``snapshot`` the Python state the captures read (attributes, hooks, globals), but
+    ``written``, what the target's own calls write (``self.last_batch = ...``);
+    ``fresh`` is the per-call check of both, and that no autocast region is active (one attribute
+    away from a call);
+    ``pending`` is the reason the next capture will give (a graph dropped, weights changed), and
+    ``pending_spends`` whether that capture spends the re-capture budget;
+    ``spent``: the re-captures that spent it (drift, a number that varies, a graph that failed,
+    captures dropped or evicted before they served a call). New keys and weights or state that
+    changed after their graph served are re-captures too (``recaptures``), but not spent:
+    ``config.cache_size`` bounds keys, and a graph that served paid for itself.
+    """
+
+    state: State = State.Pending
+    entries: Mapping[CallKey, tuple["Capture", ...]] = field(default_factory=lambda: MappingProxyType({}))
+    flat: Callable[[tuple], Any] | None = None
+    watch: Watch = field(default_factory=lambda: Watch(()))
+    snapshot: Snapshot = field(default_factory=lambda: Snapshot([]))
+    written: frozenset[tuple[str, str]] = frozenset()  # state the target writes itself: not watched
+    fresh: Callable[[], bool] = field(default=lambda: True)
+    knowledge: Knowledge = field(default_factory=Knowledge)
+    recaptures: int = 0
+    reasons: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    fallback_why: str | None = None
+    pending: str | None = None
+    pending_spends: bool = False
+    spent: tuple[str, ...] = ()
+    last: Described | None = None  # the key of the last capture made (explains misses when none is cached)
+    last_names: tuple[str, ...] = ()  # its graph input names
+    generation: int = 0
+
+    @property
+    def captures(self) -> list["Capture"]:
+        """Every cached capture, oldest key first."""
+        return [c for variants in self.entries.values() for c in variants]
+
+    def current(self) -> "Capture | None":
+        """The capture most recently created or served."""
+        captures = self.captures
+        return max(captures, key=lambda c: c.stats.last_use) if captures else None
+
+    def to_ship(self) -> "Capture | None":
+        """The capture ``take_graph()`` hands out: of the most recently used key's captures, the
+        one with the most dynamic axes (a variant made for size 1 serves size 1 alone)."""
+        current = self.current()
+        if current is None:
+            return None
+        return max(self.entries[current.key], key=lambda c: (sum(map(len, c.dynamic)), c.stats.last_use))
+
+
+def fresh(generation: int) -> CacheTable:
+    """The table of a function with nothing captured."""
+    return CacheTable(generation=generation)
+
+
+def with_capture(
+    table: CacheTable, capture: "Capture", *, reason: str | None, spends: bool, replaces: Sequence["Capture"] = (),
+    knowledge: Knowledge, notes: Sequence[str] = (), limit: int, snapshot: Snapshot,
+) -> CacheTable:
+    """``table`` with ``capture`` installed beside the variants of its key (without ``replaces``),
+    least recently used keys evicted past ``limit``; ``reason`` (None: the first capture) counts
+    as one re-capture, and ``spends`` the budget; ``snapshot``: the state the capture read (the
+    others must have read the same)."""
+    entries = dict(table.entries)
+    kept = tuple(c for c in entries.pop(capture.key, ()) if c not in replaces)
+    entries[capture.key] = (kept + (capture,))[-VARIANTS:]
+    spent = table.spent + ((reason,) if reason and spends else ())
+    while len(entries) > max(1, limit):
+        oldest = min(entries, key=lambda k: max(c.stats.last_use for c in entries[k]))
+        if not any(c.stats.hits for c in entries.pop(oldest)):  # keys in rotation past the cache's size
+            spent += (f"a key evicted before it served a call (more keys in use than cache_size={limit}; "
+                      "raise cr.config.cache_size)",)
+    return _rebuilt(
+        table, entries, flat=capture.flat, state=State.Compiled, knowledge=knowledge, pending=None,
+        pending_spends=False, last=capture.described, last_names=capture.names, notes=table.notes + tuple(notes),
+        recaptures=table.recaptures + (reason is not None), reasons=table.reasons + ((reason,) if reason else ()),
+        spent=spent, snapshot=snapshot,
+    )
+
+
+def with_replaced(table: CacheTable, old: "Capture", new: "Capture") -> CacheTable:
+    """``table`` with one capture swapped for an updated one (a special size now verified)."""
+    entries = {key: tuple(new if c is old else c for c in variants) for key, variants in table.entries.items()}
+    flat = new.flat if table.flat is old.flat else table.flat
+    return _rebuilt(table, entries, flat=flat)
+
+
+def without(table: CacheTable, dropped: Sequence["Capture"], pending: str | None, spends: bool | None = None) -> CacheTable:
+    """``table`` without some captures (a graph that failed, stale weights); the next capture says
+    why, and spends the budget when ``spends`` says so (``None``: when none of them served a call,
+    as with weights that change on every call: a weights or state change spends only then)."""
+    entries = {k: tuple(c for c in v if c not in dropped) for k, v in table.entries.items()}
+    entries = {k: v for k, v in entries.items() if v}
+    flat = table.flat if all(c.flat is not table.flat for c in dropped) else None
+    if spends is None:
+        spends = bool(dropped) and not any(c.stats.hits for c in dropped)
+    return _rebuilt(table, entries, flat=flat, pending=pending, pending_spends=spends)
+
+
+def rewatched(table: CacheTable, snapshot: Snapshot | None = None) -> CacheTable:
+    """``table`` with a new weights watch (after a registration that changed nothing baked), and
+    ``snapshot`` when given (after a change of state no capture read)."""
+    return _rebuilt(table, dict(table.entries), snapshot=snapshot or table.snapshot)
+
+
+def fallen_back(table: CacheTable, why: str) -> CacheTable:
+    """``table`` serving eagerly until ``reset()``: its captures (and their sessions) released."""
+    return _rebuilt(table, {}, flat=None, state=State.Fallback, fallback_why=why)
+
+
+def _rebuilt(table: CacheTable, entries: dict, **changes: Any) -> CacheTable:
+    captures = [c for variants in entries.values() for c in variants]
+    watch = Watch([b for c in captures for b in c.baked])
+    snapshot = changes.pop("snapshot", table.snapshot)
+    snapshot = snapshot if captures else Snapshot([])  # nothing captured: nothing to watch
+    # Weights and state as captured, and no autocast region (its calls go the miss path: eager).
+    fresh = snapshot.check(watch.fresh) if snapshot.parts else watch.fresh
+    return replace(table, entries=MappingProxyType(entries), watch=watch, snapshot=snapshot,
+                   fresh=_without_grad(fresh, tuple(b.tensor for b in watch.baked)), **changes)
+
+
+_grad_enabled = torch.is_grad_enabled
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _without_grad(fresh: Callable[[], bool], tensors: tuple) -> Callable[[], bool]:
+    """``fresh``, and no call that differentiates through the baked tensors: with grad mode on
+    and a baked tensor that requires grad, the call goes the miss path, which runs it eagerly
+    (a graph's outputs cannot carry gradients back to the weights). Read per call, not once:
+    ``requires_grad_()`` moves no counter. One C call when grad mode is off."""
+    if not tensors:
+        return fresh
+
+    def check() -> bool:
+        return fresh() and not (_grad_enabled() and any(map(_requires_grad, tensors)))
+
+    return check

@@ -1,0 +1,1 @@
+"""The shipped artefact: ModelGraph, the torch-free ServedGraph, describing and validating saved graphs."""

@@ -1,0 +1,92 @@
+"""Shipped graphs described in words, in the form ``f.captures`` lists captures in
+(``capture.described``): what ``clika-runtime inspect`` prints for a saved graph. No torch:
+served graphs describe their inputs with ``TensorInfo`` on boxes without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from clika_runtime.base.specs import TensorInfo
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """One capture (or shipped graph) in words. ``hits`` and ``seconds_since_use`` are ``None``
+    for a saved graph; ``phases`` holds how long each step of the capture took, in seconds."""
+
+    key: str
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    hits: int | None = None
+    seconds_since_use: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    guard: str = ""
+
+    def __str__(self) -> str:
+        lines = [f"key: {self.key}"]
+        lines += [f"  in  {i}" for i in self.inputs] + [f"  out {o}" for o in self.outputs]
+        if self.guard:
+            lines.append(f"  guard: {self.guard}")
+        if self.hits is not None:
+            lines.append(f"  hits: {self.hits}, last used {self.seconds_since_use:.1f} s ago")
+        if self.phases:
+            lines.append("  capture: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()))
+        return "\n".join(lines)
+
+
+def describe_graph(model_proto: Any, where: str) -> CaptureInfo:
+    """A saved graph in the words ``f.captures`` uses for its capture (no hits: it is a file)."""
+    from clika_runtime.format import metadata
+
+    found = metadata.read({p.key: p.value for p in model_proto.metadata_props}, where)
+    initializers = {i.name for i in model_proto.graph.initializer}
+    inputs = tuple(info for info in _values(model_proto.graph.input) if info.name not in initializers)
+    if found is None:
+        return CaptureInfo(key="", inputs=inputs, outputs=outputs_of(model_proto))
+    args, kwargs = found.inputs["children"]
+    leaves = [(found.parameters[i] if i < len(found.parameters) else f"args_{i}", child)
+              for i, child in enumerate(args["children"])] + list(zip(map(str, kwargs["keys"]), kwargs["children"]))
+    statics = [f"{path}={leaf['value']!r}" for name, child in leaves for path, leaf in _static_leaves(child, name)
+               if leaf["kind"] == "const"]
+    tensors = [f"{i.name}: {i.dtype}" for i in inputs]
+    return CaptureInfo(key=", ".join(tensors + statics), inputs=inputs, outputs=outputs_of(model_proto),
+                       guard=guard_text(found.guard) if found.guard is not None else "")
+
+
+def _static_leaves(description: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(path, leaf) of every static leaf under one argument of the captured call."""
+    if description["kind"] in ("const", "static"):
+        return [(path, description)]
+    found = []
+    for key, child in zip(description.get("keys", ()), description.get("children", ())):
+        found += _static_leaves(child, f"{path}.{key}")
+    return found
+
+
+def _values(values: Any) -> list[TensorInfo]:
+    import onnx
+
+    infos = []
+    for value in values:
+        tensor = value.type.tensor_type
+        dims = tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)
+        dtype = "bfloat16" if tensor.elem_type == onnx.TensorProto.BFLOAT16 else \
+            onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+        infos.append(TensorInfo(value.name, dtype, dims))
+    return infos
+
+
+def outputs_of(model_proto: Any) -> tuple[TensorInfo, ...]:
+    """The graph outputs of an ONNX model with their dtypes and dims."""
+    return tuple(_values(model_proto.graph.output))
+
+
+def guard_text(guard: Any) -> str:
+    """What a guard adds to the dims, in words: ranges, size conditions, verified sizes 0/1."""
+    from clika_runtime.guards.guard import render
+
+    parts = [f"{name} in [{lo}, {'inf' if hi is None else hi}]" for name, lo, hi in guard.ranges]
+    parts += [f"{render(tree, guard.names)} is {value}" for tree, value in guard.conditions]
+    parts += [f"verified at {', '.join(f'{n}={s}' for n, s in point.sizes) or 'its branch'}" for point in guard.verified]
+    return "; ".join(parts)

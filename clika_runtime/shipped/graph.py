@@ -1,0 +1,265 @@
+"""``ModelGraph``: a captured graph as a shippable artefact (the ONNX model and its metadata).
+
+Serving a graph lives in served.py; the metadata schema in metadata.py. Nothing here imports
+torch; onnx is imported where a method needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any, Iterator, Literal, Mapping
+
+from clika_runtime.base.errors import GraphFileError
+from clika_runtime.base.specs import PlaceLike
+from clika_runtime.format import graphfile, metadata
+from clika_runtime.format.graphfile import existing, too_big
+
+
+class ModelGraph:
+    """A captured graph: the ONNX model plus what is needed to serve it with the same pytrees.
+
+    Made by ``CompiledFunction.take_graph()`` / ``graphs()`` or ``ModelGraph.load(path)``. ``save``
+    writes a standard ``.onnx`` file that any onnxruntime (any language) loads; the pytree
+    structure, dim names, shape guard and library version travel in the model's ``metadata_props``.
+    """
+
+    def __init__(self, model_proto: Any) -> None:
+        self._proto = model_proto
+
+    @classmethod
+    def copy_of(cls, model_proto: Any) -> "ModelGraph":
+        """A graph holding its own copy of ``model_proto`` (changing it changes nothing else)."""
+        import onnx
+
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model_proto)
+        return cls(copy)
+
+    @property
+    def model_proto(self) -> Any:
+        """The ``onnx.ModelProto``."""
+        return self._proto
+
+    @property
+    def input_names(self) -> list[str]:
+        """Graph input names, in flattening order of the input pytree."""
+        initializers = {i.name for i in self._proto.graph.initializer}
+        return [i.name for i in self._proto.graph.input if i.name not in initializers]
+
+    @property
+    def output_names(self) -> list[str]:
+        """Graph output names, in flattening order of the output pytree."""
+        return [o.name for o in self._proto.graph.output]
+
+    @property
+    def graph_name(self) -> str:
+        """The ONNX graph's name."""
+        return self._proto.graph.name
+
+    @property
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        """``{input_or_output_name: {axis: dim_name}}`` for every dynamic axis, torch.onnx.export's form."""
+        axes: dict[str, dict[int, str]] = {}
+        for value in list(self._proto.graph.input) + list(self._proto.graph.output):
+            dims = value.type.tensor_type.shape.dim
+            named = {a: d.dim_param for a, d in enumerate(dims) if d.dim_param}
+            if named:
+                axes[value.name] = named
+        return axes
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The model's ``metadata_props``."""
+        return {p.key: p.value for p in self._proto.metadata_props}
+
+    def save(self, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
+        """Write the graph to ``path`` (a ``.onnx`` file).
+
+        ``external_data``: ``None`` puts weights in ``<name>.data`` beside the file only when the
+        model is past protobuf's 2 GB limit; ``True`` always; ``False`` never. The graph in memory
+        is not changed.
+        """
+        import onnx
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if external_data is None:
+            external_data = too_big(self._proto)
+        if external_data:
+            copy = ModelGraph.copy_of(self._proto).model_proto  # saving moves weights out of the proto it is given
+            (path.parent / f"{path.name}.data").unlink(missing_ok=True)  # onnx appends to an existing data file
+            _mark_weights_external(copy, f"{path.name}.data")
+            onnx.save_model(copy, str(path))
+        else:
+            onnx.save_model(self._proto, str(path))
+        return path
+
+    def to_triton(
+        self,
+        repository: str | os.PathLike,
+        name: str | None = None,
+        *,
+        version: int = 1,
+        max_batch_size: int = 0,
+        dynamic_batching: bool | Mapping[str, Any] | None = None,
+        instances: int = 1,
+        kind: Literal["cpu", "gpu"] = "cpu",
+        external_data: bool | None = None,
+    ) -> Path:
+        """Write the graph as a Triton model: ``<repository>/<name>/config.pbtxt`` and
+        ``<repository>/<name>/<version>/model.onnx``; return the model folder ``<repository>/<name>``.
+
+        ``name``: default from the graph name. ``max_batch_size > 0`` lets Triton batch requests
+        along dim 0, which needs dim 0 of every input and output to be one dynamic dim (the batch);
+        ``dynamic_batching``: ``True`` (Triton's defaults) or ``{"preferred_batch_size": [...],
+        "max_queue_delay_microseconds": N}``. ``instances`` model instances of ``kind`` ("cpu" or
+        "gpu"). ``external_data`` as in ``save``; with external data the version holds a folder
+        ``model.onnx/`` with ``model.onnx`` and its data, the layout Triton documents. Raises
+        ``DeployError`` (before writing anything) for what Triton would refuse: see docs/DEPLOY.md.
+        """
+        from clika_runtime.triton.repository import write_model
+
+        return write_model(
+            self, repository, name, version=version, max_batch_size=max_batch_size,
+            dynamic_batching=dynamic_batching, instances=instances, kind=kind, external_data=external_data,
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ModelGraph":
+        """Read a ``.onnx`` file (with its external data, if any, which must be regular files in its
+        folder); ``GraphFileError`` for a file that reaches outside it or whose metadata is malformed."""
+        import onnx
+
+        path = existing(path)
+        graphfile.check(path)
+        try:
+            proto = onnx.load_model(str(path), load_external_data=False)
+        except Exception as e:
+            raise GraphFileError(f"{path}: not a readable ONNX model (truncated or corrupt?): {e}") from e
+        try:
+            onnx.load_external_data_for_model(proto, str(path.parent))
+        except FileNotFoundError as e:
+            raise GraphFileError(f"{path}: external data file missing: {e.filename or e}") from e
+        except Exception as e:
+            raise GraphFileError(f"{path}: external data unreadable: {e}") from e
+        metadata.read({p.key: p.value for p in proto.metadata_props}, str(path))  # refuse a malformed graph now
+        return cls(proto)
+
+    def serve(self, place: PlaceLike = None, *, output_types: Any = ()) -> Any:
+        """A callable serving this graph on ``place`` with the captured pytrees in and out
+        (``output_types``: classes output trees may be rebuilt with, see ``cr.load``)."""
+        from clika_runtime.shipped.served import ServedGraph
+
+        source, folder = session_source(self._proto)
+        return ServedGraph(source, place, output_types=output_types, keep=folder)
+
+    def __repr__(self) -> str:
+        return f"ModelGraph({self.graph_name!r}, inputs={self.input_names}, outputs={self.output_names})"
+
+
+def session_source(model_proto: Any) -> tuple[bytes | str, tempfile.TemporaryDirectory | None]:
+    """What onnxruntime opens: the serialised model, or, past protobuf's limit, a temporary file
+    with external data (the returned folder must outlive the session)."""
+    if not too_big(model_proto):
+        return model_proto.SerializeToString(), None
+    folder = GraphFolder.write(model_proto)
+    return str(folder.model), folder
+
+
+# Weights past this many bytes are written as external data: saving then needs no serialized copy
+# of them, and onnxruntime reads them from the file.
+EXTERNAL_ABOVE = 16 * 2**20
+
+
+class GraphFolder:
+    """A model written to its own temporary folder (``model.onnx``, and ``model.onnx.data`` when
+    its weights are large; ``served.onnx`` beside it when onnxruntime's fused kernels apply),
+    removed when the last reference to the folder goes. Captures keep their graphs here instead
+    of in memory; sessions open the files."""
+
+    MODEL = "model.onnx"
+    SERVED = "served.onnx"  # the graph with onnxruntime's fused kernels, when any apply (exporters.fusion)
+    _OPTIMIZED = "optimized-"
+
+    def __init__(self, parent: str | os.PathLike | None = None) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="clika_runtime_", dir=parent))
+        # Removed with its last reference (a TemporaryDirectory would also do it, with a ResourceWarning).
+        self._remove = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
+
+    @property
+    def model(self) -> Path:
+        """The model file."""
+        return self.path / self.MODEL
+
+    @classmethod
+    def write(cls, model_proto: Any, parent: str | os.PathLike | None = None) -> "GraphFolder":
+        """Write ``model_proto`` into a new folder. The proto's weights move to the file when they
+        are large: the proto must not be used afterwards."""
+        import onnx
+
+        folder = cls(parent)
+        large = sum(len(t.raw_data) for t in model_proto.graph.initializer) > EXTERNAL_ABOVE
+        if large:
+            onnx.save_model(model_proto, str(folder.model), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=f"{cls.MODEL}.data", size_threshold=1024)
+        else:
+            onnx.save_model(model_proto, str(folder.model))
+        return folder
+
+    @property
+    def served(self) -> Path:
+        """The graph sessions open: the fused graph when there is one, else the model."""
+        fused = self.path / self.SERVED
+        return fused if fused.is_file() else self.model
+
+    def optimized(self, machine: str) -> Path:
+        """Where onnxruntime's optimised model for ``machine`` (``serving.machine_tag``) is kept."""
+        return self.path / f"{self._OPTIMIZED}{hashlib.sha256(machine.encode()).hexdigest()[:16]}.onnx"
+
+    def drop_fused(self) -> bool:
+        """Remove the fused graph and what onnxruntime made of it; whether there was one."""
+        fused = self.path / self.SERVED
+        if not fused.is_file():
+            return False
+        for path in [fused, *self.path.glob(f"{self.SERVED}.data"), *self.path.glob(f"{self._OPTIMIZED}*")]:
+            path.unlink(missing_ok=True)
+        return True
+
+    def files(self) -> list[Path]:
+        """The files of the model (the model, its external data)."""
+        return sorted(p for p in self.path.iterdir() if p.is_file())
+
+
+def _mark_weights_external(proto: Any, location: str) -> None:
+    """Mark every floating-point tensor of ``proto`` for ``location``, whatever its size.
+
+    Integer tensors stay inline: onnxruntime needs shape-like constants (a Reshape's shape, a
+    ReduceMean's axes) in the model file to infer shapes, and they are never the bulk of a model.
+    """
+    from onnx import TensorProto
+    from onnx.external_data_helper import set_external_data
+
+    inline = {TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8, TensorProto.UINT8,
+              TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64, TensorProto.BOOL, TensorProto.STRING}
+    for tensor in _tensors(proto.graph):
+        if tensor.data_type not in inline and tensor.HasField("raw_data"):
+            set_external_data(tensor, location)
+
+
+def _tensors(graph: Any) -> Iterator[Any]:
+    """The initializers and constant tensors of ``graph`` and of the graphs nested in its nodes."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _tensors(attribute.g)
+            for sub in attribute.graphs:
+                yield from _tensors(sub)

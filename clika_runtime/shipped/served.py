@@ -1,0 +1,263 @@
+"""Serving a shipped graph: ``load`` and ``ServedGraph``, called like the function it was captured from.
+
+Nothing here imports torch or onnx at module level: a deployment box with onnxruntime and numpy
+serves a shipped graph with the same pytrees in and out, and enforces the same guard the
+in-process capture enforced (sizes, ranges, size conditions, lifted-number ranges).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+import serving
+from clika_runtime.base.config import config
+from clika_runtime.base.errors import ClikaError, GraphFileError, GraphInputError, GraphRunError, PlaceError
+from clika_runtime.base.specs import PlaceLike, TensorInfo
+from clika_runtime.format import graphfile, metadata, treedesc
+from clika_runtime.format.graphfile import existing
+from clika_runtime.guards.guard import Guard, InputRule
+
+
+def load(path: str | os.PathLike, place: PlaceLike = None, *, output_types: Iterable[type] = ()) -> "ServedGraph":
+    """Serve a shipped ``.onnx`` file (``ModelGraph.load(path).serve(place)``, without needing onnx).
+
+    Graphs saved by clika_runtime take and return the captured pytrees; any other ONNX graph takes
+    its inputs by name (or position) and returns ``{output name: value}``. numpy arrays in give
+    numpy arrays out; torch tensors in give torch tensors out. Output trees are rebuilt with
+    built-in containers, node types this process registered with torch's pytree (HuggingFace's
+    ``ModelOutput`` when transformers is imported) and the classes in ``output_types``; a graph
+    file never makes the library import a module or call any other class. A file whose tensors
+    keep data outside its folder, or whose metadata does not describe its graph, is refused with
+    ``GraphFileError`` before anything runs (docs/SECURITY.md).
+    """
+    return ServedGraph(str(existing(path)), place, output_types=output_types)
+
+
+class ServedGraph:
+    """A shipped graph served by onnxruntime, called like the function it was captured from."""
+
+    def __init__(self, model: bytes | str, place: PlaceLike = None, *, output_types: Iterable[type] = (),
+                 keep: Any = None) -> None:
+        self._keep = keep  # a temporary folder holding the model's external data, if any
+        self._place = _resolve_place(place)
+        where = model if isinstance(model, str) else "graph"
+        # Before onnxruntime opens it: what the file makes its reader read or run besides itself.
+        if isinstance(model, str):
+            graphfile.check(model)
+        else:
+            graphfile.check_serialized(model, where)
+        self._session = _open(model, self._place, where)
+        declared = read_session(self._session, where)
+        self._declared = (declared.inputs, declared.outputs)
+        self._types = treedesc.allowed_types(output_types)
+        found = _described(declared, self._types, where)
+        self._where = where
+        self.input_names = [i.name for i in declared.inputs]
+        self.output_names = [o.name for o in declared.outputs]
+        self._inputs = found.inputs if found else None
+        self._outputs = found.outputs if found else None
+        self._parameters = found.parameters if found else []
+        self._guard = found.guard if found and found.guard else declared_guard(self._session)
+        self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
+        self._numpy_unfit = [o.name for o in self._session.get_outputs() if o.type == "tensor(bfloat16)"]
+        self._torch: Any = None
+
+    @property
+    def providers(self) -> list[str]:
+        """The onnxruntime providers the session really runs on."""
+        return self._session.get_providers()
+
+    @property
+    def guard(self) -> Guard:
+        """What this graph accepts (shipped with it, or read from its declared input shapes)."""
+        return self._guard
+
+    @property
+    def inputs(self) -> list[TensorInfo]:
+        """The graph's inputs as declared (name, dtype, shape), in input order."""
+        return list(self._declared[0])
+
+    @property
+    def outputs(self) -> list[TensorInfo]:
+        """The graph's outputs as declared (name, dtype, shape), in output order."""
+        return list(self._declared[1])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        outs = self._checked_run(self._feeds(args, kwargs))
+        if self._outputs is None:
+            return dict(zip(self.output_names, outs))
+        try:
+            return treedesc.rebuild(self._outputs, iter(outs), self._types)
+        except (TypeError, ValueError) as e:  # outputs that break what the file declared (a "number" of 3 values)
+            raise GraphFileError(f"{self._where}: the outputs do not fit the output tree it describes: {e}") from e
+
+    def run(self, feeds: Mapping[str, Any], /) -> dict[str, Any]:
+        """Run on arrays given by graph input name; returns ``{output name: array}``.
+
+        The flat form of a call, for servers that speak graph input names (the KServe v2 server):
+        the guard of a call, without the captured pytrees.
+        """
+        missing = [n for n in self.input_names if n not in feeds]
+        unknown = [n for n in feeds if n not in self.input_names]
+        if missing or unknown:
+            raise GraphInputError(f"graph inputs are {self.input_names}; missing {missing}, unknown {unknown}")
+        return dict(zip(self.output_names, self._checked_run([feeds[n] for n in self.input_names])))
+
+    def _checked_run(self, feeds: list[Any]) -> list[Any]:
+        """Check the feeds (in input order) against the guard, then run; outputs in output order."""
+        problem = self._guard.check(feeds)
+        if problem is not None:
+            raise GraphInputError(str(problem))
+        feeds = [np.asarray(v, dtype=np.int64) if r.shape is None else v for r, v in zip(self._guard.inputs, feeds)]
+        is_torch = any(type(v).__module__.startswith("torch") for v in feeds)
+        if not is_torch and self._numpy_unfit:
+            raise GraphInputError(
+                f"output(s) {self._numpy_unfit} are bfloat16, which numpy cannot hold: call with torch tensors"
+            )
+        try:
+            return self._run_torch(feeds) if is_torch else self._numpy.run(feeds)
+        except ClikaError:
+            raise
+        except Exception as e:  # onnxruntime's own types (Fail, InvalidArgument, ...), none a ClikaError
+            raise GraphRunError(f"{self._where}: onnxruntime failed running the graph: {e}") from e
+
+    def _feeds(self, args: tuple, kwargs: dict) -> list[Any]:
+        if self._inputs is None:  # plain ONNX: by position, then by name
+            given = dict(zip(self.input_names, args))
+            given.update(kwargs)
+            missing = [n for n in self.input_names if n not in given]
+            unknown = [n for n in given if n not in self.input_names]
+            if missing or unknown or len(args) > len(self.input_names):
+                raise GraphInputError(
+                    f"graph inputs are {self.input_names}; missing {missing}, unknown {unknown}, {len(args)} positional"
+                )
+            return [given[n] for n in self.input_names]
+        args, kwargs = self._canonical(args, kwargs)
+        args_desc, kwargs_desc = self._inputs["children"]
+        if len(args) != len(args_desc["children"]):
+            raise GraphInputError(
+                f"expected {len(args_desc['children'])} positional inputs {self._parameters[:len(args_desc['children'])]}, "
+                f"got {len(args)} (graph inputs: {self.input_names})"
+            )
+        walked = []
+        try:
+            for i, (desc, value) in enumerate(zip(args_desc["children"], args)):
+                name = self._parameters[i] if i < len(self._parameters) else f"args_{i}"
+                walked += treedesc.flatten_described(desc, value, name)
+            walked += treedesc.flatten_described(kwargs_desc, kwargs, "")
+        except ValueError as e:
+            raise GraphInputError(f"{e} (graph inputs: {self.input_names})") from None
+        feeds = []
+        for path, value, leaf in walked:
+            kind = leaf["kind"]
+            if kind == "leaf":
+                feeds.append(value)
+            # type first: an array compared with a constant is an array, whose truth is ambiguous
+            elif kind == "const" and not (type(value) is type(leaf["value"]) and value == leaf["value"]):
+                raise GraphInputError(
+                    f"input {path}: the graph was captured with the static value {leaf['value']!r}, got {value!r}"
+                )
+            elif kind == "static" and repr(value) != leaf["repr"]:
+                raise GraphInputError(f"input {path}: the graph was captured with {leaf['repr']}, got {value!r}")
+        return feeds
+
+    def _canonical(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Keyword arguments that name positional parameters move to their slots, as at capture.
+
+        A slot the call leaves out takes the value it was captured with, when that was a constant
+        (a parameter default such as ``None``).
+        """
+        slots = self._inputs["children"][0]["children"]
+        if not kwargs or len(args) >= len(slots):
+            return args, kwargs
+        moved, filled = [], []
+        for i in range(len(args), len(slots)):
+            name = self._parameters[i] if i < len(self._parameters) else None
+            if name in kwargs:
+                moved.append(name)
+                filled.append(kwargs[name])
+            elif slots[i].get("kind") == "const":
+                filled.append(slots[i]["value"])
+            else:
+                break
+        if not moved:
+            return args, kwargs
+        return args + tuple(filled), {k: v for k, v in kwargs.items() if k not in moved}
+
+    def _run_torch(self, feeds: Sequence[Any]) -> list[Any]:
+        import torch
+
+        tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in feeds]
+        if self._torch is None:
+            dtypes = [t.dtype for t in tensors] + [serving.DTYPE_NAMES.get(o.type, o.type) for o in self._session.get_outputs()]
+            self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
+        return self._torch.run(tensors)
+
+
+class Declared(NamedTuple):
+    """What an onnxruntime session says of its graph."""
+
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    metadata: dict[str, str]
+
+
+def read_session(session: Any, where: str) -> Declared:
+    """The session's declared inputs, outputs and metadata; ``GraphFileError`` when the file's
+    names or metadata are not UTF-8 (onnxruntime's Python binding raises ``UnicodeDecodeError``
+    on reading them, on every read: they are read once here)."""
+    try:
+        return Declared([tensor_info(i) for i in session.get_inputs()], [tensor_info(o) for o in session.get_outputs()],
+                        serving.metadata(session))
+    except UnicodeDecodeError as e:
+        raise GraphFileError(f"{where}: a name or metadata value in the graph is not UTF-8 text ({e.reason})") from None
+
+
+def _described(declared: Declared, types: Mapping[str, type], where: str) -> metadata.Metadata | None:
+    """The graph's clika_runtime metadata, checked against the graph it ships with and the output
+    classes allowed here; ``None`` for a graph from another tool."""
+    found = metadata.read(declared.metadata, where)
+    if found is not None:
+        metadata.check_fits(found, declared.inputs, declared.outputs, where)
+        try:
+            treedesc.check_types(found.outputs, types)
+        except ValueError as e:
+            raise GraphFileError(f"{where}: {e}") from None
+    return found
+
+
+def tensor_info(value: Any) -> TensorInfo:
+    """An onnxruntime session input or output (``NodeArg``) as a ``TensorInfo``."""
+    return TensorInfo(value.name, serving.DTYPE_NAMES.get(value.type, value.type), tuple(value.shape))
+
+
+def _open(model: bytes | str, place: serving.Place, where: str) -> Any:
+    try:
+        return serving.open_session(model, place, intra_op_threads=config.session_threads())
+    except serving.ProviderMissing as e:
+        raise PlaceError(str(e)) from e
+    except Exception as e:  # onnxruntime raises its own types for protobuf parse failures
+        message = str(e)
+        if isinstance(model, str) and ("external" in message.lower() or "No such file" in message):
+            raise GraphFileError(f"{where}: external data missing or unreadable: {message}") from e
+        raise GraphFileError(f"{where}: onnxruntime cannot load it (truncated or corrupt?): {message}") from e
+
+
+def declared_guard(session: Any) -> Guard:
+    """The guard of a graph without ours (another tool's): its declared input dtypes and shapes."""
+    rules = []
+    for i in session.get_inputs():
+        dtype = serving.DTYPE_NAMES.get(i.type, i.type)
+        shape = tuple(d if isinstance(d, int) else (d or f"{i.name}_dim{a}") for a, d in enumerate(i.shape))
+        rules.append(InputRule(i.name, dtype, shape))
+    return Guard(tuple(rules))
+
+
+def _resolve_place(place: PlaceLike) -> serving.Place:
+    try:
+        return serving.resolve(place)
+    except ValueError as e:
+        raise PlaceError(str(e)) from e

@@ -1,0 +1,489 @@
+"""Check a shipped graph the way CI should: checker, shape inference, onnxruntime at several sizes.
+
+numpy only at run time (torch is not needed): this is what ``clika-runtime validate`` runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+import serving
+from clika_runtime.base.errors import GraphFileError, GraphInputError, PlaceError
+from clika_runtime.format import graphfile, metadata
+from clika_runtime.guards.guard import Guard
+from serving import DTYPE_NAMES as ONNX_TYPE_NAMES
+
+logger = logging.getLogger("clika_runtime")
+
+# Inputs are generated up to this many elements each: a graph that declares a static size of
+# 10**12 (or a capture example that large) gets a failed check, not an allocation that never ends.
+MAX_GENERATED_ELEMENTS = 2**26
+SAFE_TO_OPEN = "readable, reads only files in its folder"  # the first check: graphfile.check
+
+
+@dataclass
+class Check:
+    """One row of the report."""
+
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    """Every check run on a graph; ``passed`` only when all passed."""
+
+    path: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when every check passed (and at least one ran)."""
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def add(self, name: str, passed: bool, detail: str = "") -> bool:
+        self.checks.append(Check(name, passed, detail))
+        return passed
+
+    def table(self) -> str:
+        """A fixed-width table, one check per line, and a closing line that counts them."""
+        width = max([len(c.name) for c in self.checks] + [5])
+        lines = [f"{'check':<{width}}  result  detail", f"{'-' * width}  ------  ------"]
+        lines += [f"{c.name:<{width}}  {'ok' if c.passed else 'FAIL':<6}  {c.detail}" for c in self.checks]
+        failed = sum(not c.passed for c in self.checks)
+        lines.append(f"{self.path}: {len(self.checks) - failed} passed, {failed} failed")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {"path": self.path, "passed": self.passed, "checks": [c.__dict__ for c in self.checks]}
+
+
+def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
+    """What a graph holds: inputs/outputs with dtypes and named dims, opset, nodes, size, metadata."""
+    import onnx
+
+    path = Path(path)
+    if path.is_dir():
+        raise GraphFileError(f"{path}: a folder, not a graph file: {_what_to_pass(path, takes_model_folder=False)}")
+    if not path.is_file():
+        raise GraphFileError(f"{path}: no such file")
+    graphfile.check(path)
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except Exception as e:
+        raise GraphFileError(f"{path}: not a readable ONNX model (truncated or corrupt?): {e}") from e
+
+    def describe(value: Any) -> dict[str, Any]:
+        tensor = value.type.tensor_type
+        dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in tensor.shape.dim]
+        known = tensor.elem_type in onnx.TensorProto.DataType.values()
+        dtype = onnx.TensorProto.DataType.Name(tensor.elem_type) if known else f"unknown type {tensor.elem_type}"
+        return {"name": value.name, "dtype": dtype.lower(), "dims": dims}
+
+    from clika_runtime.shipped.describe import describe_graph
+
+    nodes = list(model.graph.node)
+    data = [path.parent / location for location in _external_files(model)]
+    try:
+        description = describe_graph(model, str(path))
+    except GraphFileError:
+        raise
+    except (KeyError, ValueError) as e:  # a hostile element type has no numpy dtype
+        raise GraphFileError(f"{path}: the graph's inputs or outputs do not parse: {e}") from None
+    return {
+        "capture": {"key": description.key, "guard": description.guard},
+        "path": str(path),
+        "graph_name": model.graph.name,
+        "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+        "inputs": [describe(v) for v in model.graph.input],
+        "outputs": [describe(v) for v in model.graph.output],
+        "nodes": len(nodes),
+        "ops": dict(Counter(n.op_type for n in nodes).most_common()),
+        "size_bytes": path.stat().st_size + sum(p.stat().st_size for p in set(data) if p.is_file()),
+        "external_data": sorted({str(p.name) for p in data}),
+        "metadata": {p.key: p.value for p in model.metadata_props},
+    }
+
+
+def _external_files(model: Any) -> list[str]:
+    return [e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"]
+
+
+def format_inspection(info: Mapping[str, Any]) -> str:
+    """A readable table of ``inspect_graph``'s result."""
+    lines = [f"graph {info['graph_name']!r}  ({info['path']}, {info['size_bytes']:,} bytes)"]
+    if info["capture"]["key"]:
+        lines.append(f"captured for: {info['capture']['key']}")
+    if info["capture"]["guard"]:
+        lines.append(f"guard: {info['capture']['guard']}")
+    lines.append("opset: " + ", ".join(f"{d} {v}" for d, v in info["opset"].items()))
+    for kind in ("inputs", "outputs"):
+        lines.append(f"{kind}:")
+        for v in info[kind]:
+            lines.append(f"  {v['name']:<28} {v['dtype']:<9} [{', '.join(map(str, v['dims']))}]")
+    lines.append(f"nodes: {info['nodes']}  ops: " + ", ".join(f"{op}×{n}" for op, n in info["ops"].items()))
+    if info["external_data"]:
+        lines.append("external data: " + ", ".join(info["external_data"]))
+    for key, value in info["metadata"].items():
+        lines.append(f"meta {key}: {value if len(value) < 100 else value[:97] + '...'}")
+    return "\n".join(lines)
+
+
+def validate_graph(
+    path: str | os.PathLike,
+    *,
+    reference: str | os.PathLike | None = None,
+    dims: Mapping[str, Sequence[int]] | None = None,
+    place: Any = "cpu",
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+    seed: int = 0,
+) -> Report:
+    """Validate a graph file; see the module docstring. Never raises for a bad graph: it reports.
+
+    ``path`` may also be a Triton model folder (one holding config.pbtxt): it is checked with
+    ``clika_runtime.triton.check_repository``, then the model file of its highest version is
+    validated. ``dims`` gives sizes per dynamic dim name (default 1, 3, 8 each); an unknown name is
+    an error (``ValueError`` listing the graph's dim names). ``reference`` is an ``.npz`` with arrays
+    named after graph inputs and outputs: the graph is run on those inputs and compared with those outputs.
+    """
+    report = Report(str(path))
+    path = Path(path)
+    if not path.exists():
+        raise GraphFileError(f"{path}: no such file")
+    if path.is_dir() and not (path / "config.pbtxt").is_file():
+        raise GraphFileError(f"{path}: a folder without config.pbtxt: {_what_to_pass(path, takes_model_folder=True)}")
+    arrays = _read_reference(reference) if reference is not None else None  # unusable input before any check
+    if path.is_dir():
+        path = _check_triton_folder(path, report)
+        if path is None:
+            return report
+    if not _opens_safely(path, report):
+        return report
+    session = _checked_session(path, place, report)
+    if session is None:
+        return report
+    try:
+        guard = _guard(session, str(path))
+        report.add("clika_runtime metadata", True)
+    except GraphFileError as e:
+        report.add("clika_runtime metadata", False, _first_line(e))
+        return report
+    _run_sizes(session, guard, str(path), dims or {}, np.random.default_rng(seed), report)
+    if arrays is not None:
+        report.add("matches reference outputs", *_compare_reference(session, arrays, str(reference), rtol, atol))
+    return report
+
+
+def _opens_safely(path: Path, report: Report) -> bool:
+    """Report whether the file reads only files in its folder and runs no code (before anything
+    opens it: the checker and onnxruntime would read its external data). A file that is no graph
+    at all is unusable input, as a missing one is: ``GraphFileError``, not a failed check."""
+    try:
+        graphfile.check(path)
+    except GraphFileError as e:
+        if not _is_protobuf(path):
+            raise
+        report.add(SAFE_TO_OPEN, False, _first_line(e))
+        return False
+    report.add(SAFE_TO_OPEN, True)
+    return True
+
+
+def _is_protobuf(path: Path) -> bool:
+    """The file parses as a serialised model (asked only after ``graphfile.check`` refused it, to
+    tell a graph reaching outside its folder from bytes that are no graph)."""
+    try:  # mapped, as graphfile.check reads it: weights are skipped by length, not read
+        with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, \
+                memoryview(mapped) as view:
+            graphfile.scan(view, str(path))
+    except (GraphFileError, OSError, ValueError):  # ValueError: an empty file cannot be mapped
+        return False
+    return True
+
+
+def _what_to_pass(folder: Path, *, takes_model_folder: bool) -> str:
+    """What to give instead of ``folder``: the graph it holds, or, for Triton's layouts, a model's
+    file (``inspect``) or a model folder (``validate``)."""
+    from clika_runtime.triton import repository as triton
+
+    if (folder / triton.CONFIG_FILE).is_file():  # only inspect refuses a model folder
+        model = triton.latest_model(folder)[1]
+        return (f"it is a Triton model folder: pass its model file, {model or folder / '<version>' / triton.MODEL_FILE} "
+                f"(validate takes the folder itself)")
+    models = sorted(p.parent for p in folder.glob(f"*/{triton.CONFIG_FILE}"))
+    if models:
+        if takes_model_folder:
+            return f"it is a Triton model repository: validate one model folder, e.g. {models[0]}"
+        model = triton.latest_model(models[0])[1]
+        return f"it is a Triton model repository: pass a model's file, e.g. {model or models[0]}"
+    graphs = sorted(folder.glob("*.onnx"))
+    if len(graphs) == 1:
+        return f"it holds one graph, pass {graphs[0]}"
+    if graphs:
+        return f"it holds {len(graphs)} graphs, pass one: {', '.join(p.name for p in graphs[:5])}"
+    return "give an .onnx file or a Triton model folder" if takes_model_folder else "give an .onnx file"
+
+
+def _checked_session(path: Path, place: Any, report: Report) -> Any:
+    """The full checker, strict shape inference and an onnxruntime session, each reported; the
+    session, or ``None`` when the graph is too broken to run."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+        report.add("onnx checker (full)", True)
+    except Exception as e:  # the checker raises several types; all mean the same: invalid graph
+        report.add("onnx checker (full)", False, _first_line(e))
+        return None
+    try:
+        model = onnx.load_model(str(path))
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+        report.add("strict shape inference", True)
+    except Exception as e:
+        report.add("strict shape inference", False, _first_line(e))
+    try:
+        session = serving.open_session(str(path), serving.resolve(place))
+    except ValueError as e:
+        raise PlaceError(str(e)) from e
+    except Exception as e:
+        report.add(f"loads in onnxruntime on {place}", False, _first_line(e))
+        return None
+    report.add(f"loads in onnxruntime on {place}", True, ", ".join(session.get_providers()))
+    return session
+
+
+def _run_sizes(session: Any, guard: Guard, where: str, dims: Mapping[str, Sequence[int]],
+               rng: np.random.Generator, report: Report) -> None:
+    """Run the graph at sizes of each dynamic dim: ``dims`` where given (a size the guard refuses
+    fails), else sizes around the capture's example that the guard accepts; a pass must have run
+    the graph at least once."""
+    graph_dims = _dim_names(session)
+    unknown = sorted(set(dims) - set(graph_dims))
+    if unknown:
+        raise ValueError(f"--dims: unknown dim name(s) {unknown}; this graph's dynamic dims are {sorted(graph_dims)}")
+    sizes = {name: _default_sizes(guard, name) for name in graph_dims}
+    sizes.update({k: list(v) for k, v in dims.items()})
+    refused = []
+    for assignment in _assignments(sizes):
+        label = ", ".join(f"{k}={v}" for k, v in assignment.items()) or "static shapes"
+        feeds = _feeds(session, guard, assignment, rng)
+        generated = all(v is not None for v in feeds.values())  # else _run_once reports what was not
+        problem = guard.check([feeds[i.name] for i in session.get_inputs()]) if generated else None
+        if problem is not None and not any(k in dims for k in assignment):
+            refused.append(f"{label} ({problem})")  # a default size the graph's guard rules out: not run
+        elif problem is not None:
+            report.add(f"runs at {label}", False, f"outside the graph's guard: {problem}")
+        else:
+            report.add(f"runs at {label}", *_run_once(session, feeds, assignment))
+    if refused:
+        logger.info("validate %s: default sizes outside the graph's guard, not run: %s", where, "; ".join(refused))
+    if not any(c.name.startswith("runs at ") for c in report.checks):  # a pass must have run the graph
+        report.add("runs at some size", False, f"every size tried is outside the graph's guard: {'; '.join(refused)}")
+
+
+def _check_triton_folder(folder: Path, report: Report) -> Path | None:
+    """Report what Triton would refuse in the folder; return its highest version's model file."""
+    from clika_runtime.triton import repository as triton
+
+    problems = triton.check_repository(folder)
+    for problem in problems:
+        report.add("triton model folder", False, problem)
+    try:
+        filename = triton.read_config(folder / triton.CONFIG_FILE).model_filename
+    except (OSError, ValueError):
+        return None  # reported above
+    version, model = triton.latest_model(folder, filename)
+    if not problems:
+        report.add("triton model folder", True, f"config.pbtxt agrees with version {version}: {model}")
+    return model
+
+
+def _guard(session: Any, where: str) -> Guard:
+    """The graph's shipped guard (checked to describe the graph), or one read from its declared
+    input shapes; ``GraphFileError`` for metadata that is malformed or describes another graph."""
+    from clika_runtime.shipped.served import declared_guard, read_session
+
+    declared = read_session(session, where)  # names decoded once here: later reads of them succeed
+    found = metadata.read(declared.metadata, where)
+    if found is None:
+        return declared_guard(session)
+    metadata.check_fits(found, declared.inputs, declared.outputs, where)
+    return found.guard if found.guard is not None else declared_guard(session)
+
+
+def _default_sizes(guard: Guard, dim: str) -> list[int]:
+    """Sizes to run a dim at: the capture's example and sizes around it, inside the dim's range
+    (1, 3, 8 when the graph says nothing)."""
+    lo, hi = guard.bounds(dim)
+    example = dict(guard.example).get(dim)
+    if example is None:
+        candidates = [max(lo, 1), max(lo, 3), max(lo, 8)]
+    else:
+        candidates = [example, example + 1, example * 2, max(lo, 1)]
+    sizes = sorted({c for c in candidates if hi is None or c <= hi})
+    return sizes or [lo]
+
+
+def _dim_names(session: Any) -> list[str]:
+    names: list[str] = []
+    for value in session.get_inputs():
+        for d in value.shape:
+            if isinstance(d, str) and d not in names:
+                names.append(d)
+    return names
+
+
+def _assignments(sizes: Mapping[str, Sequence[int]]) -> list[dict[str, int]]:
+    """Each dim through its sizes with the others at their first size, then all at their last."""
+    if not sizes:
+        return [{}]
+    base = {k: v[0] for k, v in sizes.items()}
+    runs = [dict(base)]
+    for name, values in sizes.items():
+        for v in values[1:]:
+            runs.append({**base, name: v})
+    runs.append({k: v[-1] for k, v in sizes.items()})
+    unique = []
+    for run in runs:
+        if run not in unique:
+            unique.append(run)
+    return unique
+
+
+def _feeds(session: Any, guard: Guard, assignment: Mapping[str, int], rng: np.random.Generator) -> dict[str, Any]:
+    """Generated inputs at these dim sizes: random floats, small non-negative ints (valid indices
+    for embeddings and gathers alike), lifted numbers at their capture value."""
+    example = dict(guard.example)
+    feeds = {}
+    for value in session.get_inputs():
+        name = ONNX_TYPE_NAMES.get(value.type)
+        dtype = np.dtype(name).type if name and name != "bfloat16" and not name.startswith("complex") else None
+        shape = [assignment.get(d, 1) if isinstance(d, str) or d is None else d for d in value.shape or ()]
+        if dtype is None or min(shape, default=0) < 0 or np.prod(shape, dtype=object) > MAX_GENERATED_ELEMENTS:
+            feeds[value.name] = None
+            continue
+        if not shape and f"#{value.name}" in example:
+            feeds[value.name] = np.asarray(example[f"#{value.name}"], dtype=dtype)
+        elif np.issubdtype(dtype, np.floating):
+            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype is np.bool_:
+            feeds[value.name] = rng.random(shape) > 0.5
+        else:
+            feeds[value.name] = rng.integers(0, 2, size=shape).astype(dtype)
+    return feeds
+
+
+def _run_once(session: Any, feeds: Mapping[str, Any], assignment: Mapping[str, int]) -> tuple[bool, str]:
+    missing = [name for name, value in feeds.items() if value is None]
+    if missing:
+        return False, (f"input(s) {missing}: a type that cannot be generated, or more than "
+                       f"{MAX_GENERATED_ELEMENTS:,} elements")
+    try:
+        outs = session.run(None, dict(feeds))
+    except Exception as e:
+        return False, _first_line(e)
+    problems = []
+    for meta, out in zip(session.get_outputs(), outs):
+        if np.ndim(out) != len(meta.shape or ()):
+            problems.append(f"output '{meta.name}': rank {np.ndim(out)}, graph declares {len(meta.shape or ())}")
+            continue
+        for axis, d in enumerate(meta.shape or ()):
+            if isinstance(d, int) and np.shape(out)[axis] != d:
+                problems.append(f"output '{meta.name}' axis {axis}: {np.shape(out)[axis]}, graph declares {d}")
+            if isinstance(d, str) and d in assignment and np.shape(out)[axis] != assignment[d]:
+                problems.append(f"output '{meta.name}' axis {axis} ({d}): {np.shape(out)[axis]}, expected {assignment[d]}")
+        if np.issubdtype(np.asarray(out).dtype, np.floating) and not np.isfinite(out).all():
+            problems.append(f"output '{meta.name}' has non-finite values")
+    shapes = ", ".join(f"{m.name}{list(np.shape(o))}" for m, o in zip(session.get_outputs(), outs))
+    return (not problems), "; ".join(problems) or shapes
+
+
+def _read_reference(reference: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The arrays of a ``--reference`` file, by name; ``GraphInputError`` naming the file and what
+    it holds instead of an ``.npz`` of numeric arrays (pickled objects are never loaded)."""
+    expected = "expected an .npz of arrays (numpy.savez)"
+    path = Path(reference)
+    if not path.is_file():
+        raise GraphInputError(f"--reference {reference}: {'a folder, ' + expected if path.is_dir() else 'no such file'}")
+    try:
+        loaded = np.load(path)
+        if isinstance(loaded, np.ndarray):  # an .npy holds one array, with no name to match
+            arrays = None
+        else:
+            with loaded:
+                arrays = {name: loaded[name] for name in loaded.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # numpy's own words are about pickles
+        raise GraphInputError(f"--reference {reference}: {expected}, got {_kind_of_file(path, e)}") from None
+    if arrays is None:
+        raise GraphInputError(f"--reference {reference}: {expected}, got one unnamed array (an .npy): save the "
+                              f"inputs and outputs by name with numpy.savez")
+    return arrays
+
+
+def _kind_of_file(path: Path, error: BaseException) -> str:
+    """What a file that is not an .npz looks like, in a few words."""
+    with path.open("rb") as handle:
+        head = handle.read(512)
+    if head.startswith(b"PK"):
+        return f"a zip that numpy cannot read as arrays ({_first_line(error)})"
+    if not head:
+        return "an empty file"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "a file of another format"
+    return "a text file"
+
+
+def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: str, rtol: float,
+                       atol: float) -> tuple[bool, str]:
+    inputs = [i.name for i in session.get_inputs()]
+    missing = [n for n in inputs if n not in data]
+    if not missing:  # arrays that do not fit the graph make the reference unusable, not the graph wrong
+        problem = _guard(session, str(reference)).check([data[n] for n in inputs])
+        if problem is not None:
+            raise GraphInputError(f"--reference {reference}: {problem}")
+    if missing:
+        return False, f"reference lacks input(s) {missing}; it holds {sorted(data)}"
+    try:
+        outs = session.run(None, {n: data[n] for n in inputs})
+    except Exception as e:  # onnxruntime's types
+        return False, f"the graph does not run on the reference inputs: {_first_line(e)}"
+    compared = []
+    for meta, out in zip(session.get_outputs(), outs):
+        if meta.name not in data:
+            continue
+        expected = data[meta.name]
+        if expected.shape != np.shape(out):
+            return False, f"output '{meta.name}': shape {list(np.shape(out))}, reference {list(expected.shape)}"
+        if not np.allclose(out, expected, rtol=rtol, atol=atol, equal_nan=True):
+            worst = float(np.nanmax(np.abs(out.astype(np.float64) - expected.astype(np.float64))))
+            return False, f"output '{meta.name}': max |diff| {worst:.3g} > rtol={rtol}, atol={atol}"
+        compared.append(meta.name)
+    if not compared:
+        return False, f"reference holds none of the outputs {[o.name for o in session.get_outputs()]}"
+    return True, f"compared {compared}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
+def save_reference(path: str | os.PathLike, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
+    """Write an ``.npz`` reference (arrays named after graph inputs and outputs) for ``validate``."""
+    arrays = {k: np.asarray(v) for k, v in itertools.chain(inputs.items(), outputs.items())}
+    np.savez(path, **arrays)

@@ -1,0 +1,270 @@
+"""The tensors a graph baked in (weights, buffers, closed-over tensors), and the per-call check
+that they are still the ones the target would use.
+
+A graph holds copies of the tensors it was exported with. After ``load_state_dict``, an in-place
+update (``p.mul_(3)`` under ``no_grad``), ``p.data = ...``, a re-registered parameter or
+submodule, or a rebound closed-over tensor, that copy is stale. What each of those changes:
+
+- in-place writes bump the tensor's version counter (``_version``), which only ever grows: the
+  sum of the versions equals the sum at capture exactly when none moved;
+- ``p.data = ...`` keeps the version but moves ``data_ptr()``; a detached view of the old
+  storage is held, so the old address cannot be reused by a new tensor and read as unchanged;
+- assigning a parameter, buffer or submodule runs torch's global registration hooks, which bump
+  one process-wide counter; on a bump, each baked name is looked up again in its module;
+- a closed-over tensor rebound to a new object is seen by comparing the closure cell or global.
+
+Inference tensors (made under ``torch.inference_mode()``) keep no version counter: their
+in-place updates cannot be seen (their ``data_ptr`` still is); the capture notes say so.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from clika_runtime.state import pystate
+
+_version = operator.attrgetter("_version")
+_data_ptr = torch.Tensor.data_ptr
+# Bumped by torch whenever any module registers a parameter, buffer or submodule (assignment included).
+_REGISTRATIONS = [0]
+_hooked = False
+
+
+def _bump(*_: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+def watch_registrations() -> None:
+    """Install torch's global registration hooks once per process (they only count)."""
+    global _hooked
+    if _hooked:
+        return
+    from torch.nn.modules import module
+
+    for register in ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook",
+                     "register_module_module_registration_hook"):
+        hook = getattr(module, register, None)
+        if hook is not None:  # older torch: re-registration is then seen through data_ptr only
+            hook(_bump)
+    _hooked = True
+
+
+@dataclass(frozen=True)
+class Baked:
+    """One baked tensor: where it came from, the object itself, and its state at capture."""
+
+    name: str  # "fc.weight" for a module's tensor, the variable name for a closed-over one
+    tensor: torch.Tensor
+    held: torch.Tensor  # a detached view of its storage at capture: keeps that address from reuse
+    version: int | None  # None: an inference tensor (no version counter)
+    pointer: int
+    lookup: Callable[[], Any] | None  # where the target finds it now (None: nowhere to look again)
+    rebinds: bool = False  # found in a closure cell or global: checked on every call, not on registrations
+    reached: bool = False  # a module the target reaches outside its owner holds it (a model a lambda calls)
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, lookup: Callable[[], Any] | None, rebinds: bool = False,
+           reached: bool = False) -> "Baked":
+        """Record ``tensor`` as it is now."""
+        return cls(name, tensor, tensor.detach(), _version_of(tensor), tensor.data_ptr(), lookup, rebinds, reached)
+
+    @property
+    def kind(self) -> str:
+        """Where the tensor is found: ``"module"``, ``"closure"``, ``"reached"`` (a module found
+        through the target's variables) or ``"constant"`` (nowhere to look)."""
+        if self.rebinds or self.reached:
+            return "closure" if self.rebinds else "reached"
+        return "module" if self.lookup is not None else "constant"
+
+    def changed(self) -> bool:
+        """Whether the target would now read something else than what the graph baked."""
+        if self.lookup is not None and _lookup(self.lookup) is not self.tensor:
+            return True
+        return self.tensor.data_ptr() != self.pointer or _version_of(self.tensor) != self.version
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+def _lookup(lookup: Callable[[], Any]) -> Any:
+    try:
+        return lookup()
+    except (AttributeError, KeyError, LookupError, ValueError):  # the attribute or cell is gone
+        return None
+
+
+class Watch:
+    """The per-call check over every tensor the live captures baked: ``fresh()`` is True exactly
+    when none changed (see the module docstring). Immutable; a new table makes a new watch."""
+
+    def __init__(self, baked: Sequence[Baked]) -> None:
+        unique: dict[int, Baked] = {}
+        for b in baked:
+            unique.setdefault(id(b.tensor), b)
+        self.baked = tuple(unique.values())
+        versioned = tuple(b.tensor for b in self.baked if b.version is not None)
+        self._versioned = versioned
+        self._versions = sum(b.version for b in self.baked if b.version is not None)
+        self._tensors = tuple(b.tensor for b in self.baked)
+        self._pointers = tuple(b.pointer for b in self.baked)
+        rebound = tuple((b.lookup, b.tensor) for b in self.baked if b.rebinds)
+        self.fresh: Callable[[], bool] = _fresh_check(
+            versioned, self._versions, self._tensors, self._pointers, _REGISTRATIONS[0], rebound
+        ) if self.baked else _always
+
+    def changed(self) -> list[str]:
+        """The names of the baked tensors that changed (empty: only an unrelated registration)."""
+        return [b.name for b in self.baked if b.changed()]
+
+
+def _always() -> bool:
+    return True
+
+
+def _fresh_check(
+    versioned: tuple, versions: int, tensors: tuple, pointers: tuple, registrations: int, rebound: tuple
+) -> Callable[[], bool]:
+    """The hot path's check, as one closure over plain data (two C-level maps and a compare)."""
+    counter = _REGISTRATIONS
+
+    def fresh() -> bool:
+        try:
+            return (
+                counter[0] == registrations
+                and sum(map(_version, versioned)) == versions
+                and tuple(map(_data_ptr, tensors)) == pointers
+            )
+        except RuntimeError:  # a tensor that cannot say (swapped out by a trace): the miss path looks
+            return False
+
+    if not rebound:
+        return fresh
+
+    def fresh_and_bound() -> bool:  # closed-over tensors: their cell or global still holds them
+        return fresh() and all(_lookup(lookup) is t for lookup, t in rebound)
+
+    return fresh_and_bound
+
+
+def bake(
+    state: Mapping[str, torch.Tensor], constants: Mapping[str, torch.Tensor], owner: torch.nn.Module | None,
+    target: Any,
+) -> list[Baked]:
+    """The tensors an export baked: ``state`` (parameters and buffers, named as in ``owner``) and
+    ``constants`` (other tensors the trace read: closed-over ones, plain tensor attributes).
+
+    Each is recorded with where the target finds it now, so a re-registration or a rebinding is
+    seen: the owner's attribute path, or the closure cell / global that held it.
+    """
+    closures = _closure_places(target)
+    reached = _reached_tensors(target, owner) if constants else {}
+    baked = []
+    for name, tensor in {**state, **constants}.items():
+        lookup = _module_lookup(owner, name) if owner is not None else None
+        if lookup is not None and _lookup(lookup) is tensor:
+            baked.append(Baked.of(name, tensor, lookup))
+        elif id(tensor) in closures:
+            where, lookup = closures[id(tensor)]
+            baked.append(Baked.of(where, tensor, lookup, rebinds=True))
+        elif _layout(tensor) in reached:  # the exporter's own tensor over a module's memory: watch the module's
+            where, live, lookup = reached[_layout(tensor)]
+            baked.append(Baked.of(where, live, lookup, reached=True))
+        else:
+            baked.append(Baked.of(name, tensor, None))
+    return baked
+
+
+def _reached_tensors(target: Any, owner: torch.nn.Module | None) -> dict[tuple, tuple[str, torch.Tensor, Any]]:
+    """The parameters and buffers of modules the target reaches outside its owner's registered
+    tree (a model in a closure, a global, a partial, an object's attribute, a plain list), by
+    memory layout: torch.export bakes them as constants of its own that share their memory."""
+    found: dict[tuple, tuple[str, torch.Tensor, Any]] = {}
+    for where, module in pystate.modules_reached(target, owner):
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            found.setdefault(_layout(tensor), (f"{where}.{name}", tensor, _module_lookup(module, name)))
+    return found
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def found_again(recorded: Sequence[tuple[str, str]], owner: torch.nn.Module | None, target: Any) -> list[Baked] | None:
+    """The tensors a graph from the disk cache baked, found by (name, kind) in this process as
+    they are now; ``None`` when one cannot be found (its graph cannot be watched: not reused)."""
+    baked = []
+    for name, kind in recorded:
+        lookup = _module_lookup(owner, name) if kind == "module" and owner is not None else \
+            closure_lookup(target, name) if kind == "closure" else None
+        tensor = _lookup(lookup) if lookup is not None else None
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        baked.append(Baked.of(name, tensor, lookup, rebinds=kind == "closure"))
+    return baked
+
+
+def _module_lookup(owner: torch.nn.Module, name: str) -> Callable[[], Any] | None:
+    path, _, attr = name.rpartition(".")
+    try:
+        module = owner.get_submodule(path) if path else owner
+    except AttributeError:
+        return None
+    if not hasattr(module, attr):
+        return None
+    return lambda: getattr(owner.get_submodule(path) if path else owner, attr)
+
+
+def needing_grad(target: Any, owner: torch.nn.Module | None) -> list[str]:
+    """The names of the tensors a call of ``target`` would bake that require grad: its owner's
+    parameters, those of the modules it reaches, and closed-over tensors (a learnable scale)."""
+    found = [name for name, p in owner.named_parameters() if p.requires_grad] if owner is not None else []
+    for where, module in pystate.modules_reached(target, owner):
+        found += [f"{where}.{name}" for name, p in module.named_parameters() if p.requires_grad]
+    return found + [name for name, t in closure_tensors(target) if t.requires_grad]
+
+
+def closure_tensors(target: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the target's function reads from its closure or globals, by variable name."""
+    found = []
+    for name, lookup in _closure_places(target).values():
+        value = _lookup(lookup)
+        if isinstance(value, torch.Tensor):
+            found.append((name, value))
+    return found
+
+
+def closure_lookup(target: Any, name: str) -> Callable[[], Any] | None:
+    """Where the target's function finds the closed-over tensor ``name`` (``None``: nowhere)."""
+    return next((lookup for found, lookup in _closure_places(target).values() if found == name), None)
+
+
+def _closure_places(target: Any) -> dict[int, tuple[str, Callable[[], Any]]]:
+    """Tensors the target's function reads from its closure or globals: id -> (name, lookup)."""
+    fn = getattr(target, "forward", target)
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    places: dict[int, tuple[str, Callable[[], Any]]] = {}
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        value = _cell_value(cell)
+        if isinstance(value, torch.Tensor):
+            places[id(value)] = (name, lambda cell=cell: cell.cell_contents)
+    namespace = getattr(fn, "__globals__", {})
+    for name in set(pystate.global_names(code)):
+        value = namespace.get(name)
+        if isinstance(value, torch.Tensor):
+            places.setdefault(id(value), (name, lambda name=name: namespace[name]))
+    return places
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None

@@ -1,0 +1,351 @@
+"""KV caches through one adapter: a decoder's cache object in, the same object updated out.
+
+A HuggingFace decoder called with ``use_cache=True`` (the default) returns a cache object
+(``DynamicCache``) and takes it back on the next step as ``cache=`` / ``past_key_values=``, which
+it updates in place (each layer's ``keys`` / ``values`` replaced by longer tensors). A graph
+takes tensors and returns tensors; this module is the one place that maps between the two, so
+the lifecycle has no cache special cases, only hooks that ask this module:
+
+- **Flatten.** In our pytree namespace (``trees.NAMESPACE``) a supported cache is a node whose
+  children are one ``(key, value)`` pair per layer (``()`` for a layer not filled yet): 2 graph
+  inputs per layer. Its context (per layer whether it is filled and its device, the cache's own
+  settings) joins the call's structure, so an empty cache, a filled one and one of another
+  layout are different keys. torch's pytree registry is not used nor needed: the tracer rebuilds
+  the call from the fed leaves with ``unflatten``, so the export sees a fresh cache holding the
+  traced tensors and the user's cache is never touched by a trace.
+- **Unflatten** builds a cache of the same class holding the tensors as they are (the class's
+  constructor would concatenate them into copies): cheap enough for every served step.
+- **Names** (``renamed``): the leaves of a cache in the call are named ``past_key_values.{i}.key``
+  / ``past_key_values.{i}.value`` and those in the output ``present.{i}.key`` / ``present.{i}.value``,
+  as Optimum's ONNX exports and onnxruntime-genai (``genai_config.json``) name them, whatever the
+  keyword (``cache=`` or ``past_key_values=``) and the output field (``cache``) are called.
+- **Dynamic axes** (``planned``): a call whose output holds a cache is a decoder step. Its
+  capture asks for the past length of every cache input (axis 2, named ``past_sequence_length``)
+  and every other input axis whose size is the output cache's length dynamic (the prompt in a
+  prefill, named ``sequence_length``; the attention mask in a decode step, named
+  ``total_sequence_length``; axis 0 of a rank-2+ input, the batch, never): a prefill then serves
+  prompts of any length and the first decode step already serves every later one.
+- **Write-back** (``writeback``): when eager returned the very cache object the call passed in
+  (a decode step, or ``generate``'s prefill of the empty cache it made), serving a call writes the
+  graph's present tensors into the caller's cache, as eager's update would, and returns that
+  object in the output; a cache the call did not pass (a prefill with no cache) comes back as a
+  new cache object, as eager's does.
+- **Shipping** (``shipped``): a shipped graph's tree description holds a cache as a tuple of
+  per-layer ``(key, value)`` pairs, so ``cr.load`` takes and returns that plain form (numpy in,
+  numpy out) where no cache class is importable.
+- **Refusal.** Every other ``transformers`` ``Cache`` subclass (``StaticCache``,
+  ``EncoderDecoderCache``...), and a ``DynamicCache`` with other layer types (sliding-window
+  layers: Mistral's default) or offloading, flattens to a ``Refused`` leaf carrying why and the fix
+  (``use_cache=False``): an input serves eagerly with that reason said once, an output refuses the
+  capture with it.
+
+Another cache class is supported by writing a ``CacheAdapter`` for it and listing it in
+``_ADAPTERS``: nothing else in the library changes. Nothing here imports torch or transformers
+at module level; the classes are registered on the first miss after ``transformers`` is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from dataclasses import replace
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+
+import optree
+
+from clika_runtime.format.treedesc import type_name
+from clika_runtime.trees import pytrees as trees
+from clika_runtime.trees.key import Unkeyable
+
+PAST = "past_key_values"  # graph input names: past_key_values.{layer}.key / .value
+PRESENT = "present"  # graph output names: present.{layer}.key / .value
+PAST_DIM = "past_sequence_length"  # the dim name of the past length of every cache input
+SEQUENCE_DIM = "sequence_length"  # a prefill's (no cache in the call) inputs as long as its output cache
+TOTAL_DIM = "total_sequence_length"  # a decode step's inputs as long as its output cache (the attention mask)
+KINDS = ("key", "value")
+SEQUENCE_AXIS = 2  # [batch, heads, sequence, head_dim]
+_FIX = "call the model with use_cache=False to serve it from a graph"
+
+
+class Refused(Unkeyable):
+    """The leaf a cache the adapter does not support flattens to: keying it raises why (an input
+    serves eagerly, said once); an output holding it refuses the capture with the same words."""
+
+
+class CacheAdapter:
+    """How one cache class goes through a graph. ``cls`` is the class; the methods follow optree's
+    conventions (``flatten`` -> children, context, entries; ``unflatten(context, children)``)."""
+
+    cls: type
+
+    def flatten(self, cache: Any) -> tuple[list[Any], Hashable, Sequence[Any]]:
+        """One ``(key, value)`` pair per layer (``()`` for an empty layer), a hashable context
+        enough to rebuild the cache, and the layer indices as entries. Returns
+        ``refuse(cache, why)`` for a cache this adapter cannot serve."""
+        raise NotImplementedError
+
+    def unflatten(self, context: Any, children: Sequence[Any]) -> Any:
+        """A cache of the same class holding ``children`` as they are (never read them: during an
+        export and in ``calls.original_slots`` they are stand-ins, not tensors)."""
+        raise NotImplementedError
+
+    def adopt(self, target: Any, made: Any) -> None:
+        """Make ``target`` (the caller's cache) hold what ``made`` (rebuilt from a graph's outputs)
+        holds, exactly as the eager update would have left it."""
+        raise NotImplementedError
+
+
+def refuse(cache: Any, why: str) -> tuple[list[Any], Hashable, Sequence[Any]]:
+    """The flattening of a cache that cannot be served: one ``Refused`` leaf saying why."""
+    name = type(cache).__name__
+    return [Refused(f"a {name} ({why}) cannot go through a graph: {_FIX}")], ("refused", name), [name]
+
+
+class DynamicCacheAdapter(CacheAdapter):
+    """``transformers.DynamicCache`` of full-attention ``DynamicLayer`` layers (GPT-2, Llama,
+    Qwen2, ... by default). A layer holds ``keys``, ``values`` ([batch, kv heads, sequence,
+    head_dim]), ``is_initialized`` and, once filled, ``device``; the cache holds its layers and a
+    few settings (``layer_class_to_replicate``, ``offloading``), kept in the context as they are."""
+
+    _LAYER_STATE = frozenset({"keys", "values", "is_initialized", "device"})
+
+    def __init__(self, cache_utils: Any) -> None:
+        self.cls = cache_utils.DynamicCache
+        self.layer = cache_utils.DynamicLayer
+
+    def flatten(self, cache: Any) -> tuple[list[Any], Hashable, Sequence[Any]]:
+        state = cache.__dict__
+        if state.get("offloading"):
+            return refuse(cache, "offloading layers to the CPU")
+        layer_cls, children, layout = self.layer, [], []
+        for layer in state["layers"]:
+            if type(layer) is not layer_cls:
+                return refuse(cache, f"{type(layer).__name__} layers; supported: {layer_cls.__name__}")
+            own = layer.__dict__
+            if own.keys() - self._LAYER_STATE:
+                return refuse(cache, f"a {layer_cls.__name__} with unknown state {sorted(own.keys() - self._LAYER_STATE)}")
+            if own["is_initialized"]:
+                children.append((own["keys"], own["values"]))
+                layout.append((True, own.get("device")))
+            else:
+                children.append(())
+                layout.append((False, own.get("device")))
+        settings = tuple((k, v) for k, v in state.items() if k != "layers")
+        try:
+            hash(settings)
+        except TypeError:
+            return refuse(cache, f"settings {[k for k, _ in settings]} that cannot key a capture")
+        return children, (settings, tuple(layout)), range(len(children))
+
+    def unflatten(self, context: Any, children: Sequence[Any]) -> Any:
+        settings, layout = context
+        layer_cls, layers = self.layer, []
+        for (filled, device), pair in zip(layout, children):
+            layer = layer_cls.__new__(layer_cls)
+            if filled:
+                layer.__dict__.update(keys=pair[0], values=pair[1], is_initialized=True)
+            else:
+                layer.__dict__.update(keys=None, values=None, is_initialized=False)
+            if device is not None:
+                layer.device = device
+            layers.append(layer)
+        cache = self.cls.__new__(self.cls)
+        cache.__dict__["layers"] = layers
+        cache.__dict__.update(settings)
+        return cache
+
+    def adopt(self, target: Any, made: Any) -> None:
+        layers = target.layers
+        for i, new in enumerate(made.layers):
+            if i < len(layers):
+                layers[i].__dict__.update(new.__dict__)
+            else:  # a cache that grows its layers on first use (layer_class_to_replicate)
+                layers.append(new)
+
+
+# Adapters by the class they serve, made once ``transformers.cache_utils`` is imported.
+_ADAPTERS: dict[type, CacheAdapter] = {}
+_seen: set[type] = set()
+_registering = threading.Lock()  # misses of different functions may register at once
+
+
+def _adapters_for(cache_utils: Any) -> list[CacheAdapter]:
+    """The supported cache classes of this ``transformers`` (add new adapters here)."""
+    return [DynamicCacheAdapter(cache_utils)]
+
+
+def adapting() -> bool:
+    """Whether any KV-cache class flattens through an adapter (transformers is imported)."""
+    return bool(_ADAPTERS)
+
+
+def register() -> None:
+    """Register the cache classes of an imported ``transformers`` in our pytree namespace (cheap
+    when nothing is new; called on every miss, before the call is flattened)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    base = getattr(cache_utils, "Cache", None)
+    if not isinstance(base, type):
+        return
+    new = [cls for cls in _subclasses(base) if cls not in _seen]
+    if not new:
+        return
+    with _registering:
+        if not _ADAPTERS:
+            for adapter in _adapters_for(cache_utils):
+                trees.own(adapter.cls, adapter.flatten, adapter.unflatten)
+                _seen.add(adapter.cls)
+                _ADAPTERS[adapter.cls] = adapter
+        for cls in new:
+            if cls not in _seen:  # caches no adapter serves: refused with the reason
+                trees.own(cls, _refused_flatten, _refused_unflatten)
+                _seen.add(cls)
+
+
+def _subclasses(base: type) -> Iterable[type]:
+    yield base
+    for sub in base.__subclasses__():
+        yield from _subclasses(sub)
+
+
+def _refused_flatten(cache: Any) -> tuple[list[Any], Hashable, Sequence[Any]]:
+    return refuse(cache, "not a cache type clika_runtime supports; supported: "
+                  + (", ".join(sorted(c.__name__ for c in _ADAPTERS)) or "none"))
+
+
+def _refused_unflatten(context: Any, children: Sequence[Any]) -> Any:
+    return children[0]  # never served: keying the Refused leaf raises first
+
+
+def _is_cache(value: Any) -> bool:
+    return type(value) in _ADAPTERS
+
+
+# ---------------------------------------------------------------------------------------------- names
+
+
+def cache_leaves(structure: optree.PyTreeSpec) -> dict[int, tuple[int, int]]:
+    """Leaf index -> (layer, 0 key / 1 value) for every leaf a supported cache holds in a tree of
+    this structure. Read from the structure, never from the tree: by the time a capture reads it,
+    the eager call has updated the caches the call holds."""
+    if not _ADAPTERS:
+        return {}
+    accessors = structure.accessors()
+    found = {}
+    for i, accessor in enumerate(accessors):
+        for depth, entry in enumerate(accessor):
+            if entry.type in _ADAPTERS and depth + 1 < len(accessor):
+                found[i] = (int(entry.entry), int(accessor[depth + 1].entry))
+                break
+    return found
+
+
+def renamed(structure: optree.PyTreeSpec, names: Sequence[str], prefix: str) -> list[str]:
+    """``names`` (one per leaf of a tree of this structure, in flattening order) with the leaves of
+    caches named ``{prefix}.{layer}.key`` / ``.value`` (``PAST`` for a call, ``PRESENT`` for an output)."""
+    names = list(names)
+    for i, (layer, kind) in cache_leaves(structure).items():
+        names[i] = f"{prefix}.{layer}.{KINDS[kind]}"
+    return names
+
+
+# --------------------------------------------------------------------------------------- dynamic axes
+
+
+# ------------------------------------------------------------------------------------------ write-back
+
+
+def writeback(call_tree: Any, eager_out: Any) -> Callable[[Any, tuple, dict], Any] | None:
+    """How a served call updates the caller's cache, when eager returned a cache it was passed:
+    ``finish(out, args, kwargs)`` writes the graph's present tensors (in ``out``) into the cache the
+    canonical call ``(args, kwargs)`` holds and returns ``out`` holding that very object. ``None``
+    when eager returned no cache it was passed (nothing to write back).
+
+    Raises ``ValueError`` when the returned cache sits where an output cannot be rebuilt around it.
+    """
+    if not _ADAPTERS:
+        return None
+    inputs = _cache_paths(call_tree)
+    pairs = []
+    for out_path, made in _cache_paths(eager_out):
+        source = next((path for path, given in inputs if given is made), None)
+        if source is not None:
+            _check_writable(eager_out, out_path)
+            pairs.append((source, out_path, _ADAPTERS[type(made)].adopt))
+    if not pairs:
+        return None
+
+    def finish(out: Any, args: tuple, kwargs: dict) -> Any:
+        call = (args, kwargs)
+        for source, out_path, adopt in pairs:
+            mine = source(call)
+            adopt(mine, out_path(out))
+            out = _put(out, tuple(out_path), mine)
+        return out
+
+    return finish
+
+
+def _cache_paths(tree: Any) -> list[tuple[Any, Any]]:
+    """(accessor, cache) for every supported cache object in ``tree``."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(
+        tree, is_leaf=_is_cache, none_is_leaf=True, namespace=trees.NAMESPACE
+    )
+    return [(a, leaf) for a, leaf in zip(accessors, leaves) if _is_cache(leaf)]
+
+
+def _check_writable(tree: Any, path: Sequence[Any]) -> None:
+    node = tree
+    for entry in path:
+        if not isinstance(node, (tuple, list, dict)) and not dataclasses.is_dataclass(node):
+            raise ValueError(f"a cache returned inside a {type(node).__name__}, which the adapter cannot rebuild")
+        node = entry(node)
+
+
+def _put(tree: Any, path: tuple, value: Any) -> Any:
+    """``tree`` with the node at ``path`` replaced by ``value`` (mappings and lists in place,
+    tuples and frozen dataclasses rebuilt)."""
+    if not path:
+        return value
+    entry = path[0]
+    child = entry(tree)
+    new = _put(child, path[1:], value)
+    if new is child:
+        return tree
+    key = entry.entry
+    if isinstance(tree, dict):  # dicts and HuggingFace ModelOutputs (whose setitem sets the attribute too)
+        tree[key] = new
+        return tree
+    if isinstance(tree, list):
+        tree[key] = new
+        return tree
+    if isinstance(tree, tuple):
+        items = list(tree)
+        items[key] = new
+        return tree._make(items) if hasattr(tree, "_make") else type(tree)(items)
+    if dataclasses.is_dataclass(tree):
+        try:
+            setattr(tree, key, new)
+            return tree
+        except dataclasses.FrozenInstanceError:
+            return replace(tree, **{key: new})
+    raise ValueError(f"cannot put a cache into a {type(tree).__name__}")
+
+
+# ------------------------------------------------------------------------------------------ shipping
+
+
+def shipped(description: Mapping[str, Any]) -> dict[str, Any]:
+    """A tree description (``treedesc.describe``) with every supported cache node described as a
+    tuple of per-layer ``(key, value)`` pairs: what ``cr.load`` takes and returns for a cache."""
+    names = {type_name(cls) for cls in _ADAPTERS}
+
+    def walk(node: Mapping[str, Any]) -> dict[str, Any]:
+        node = dict(node)
+        if "children" in node:
+            node["children"] = [walk(child) for child in node["children"]]
+            if node.get("kind") == "custom" and node.get("type") in names:
+                node.update(kind="tuple", type="builtins:tuple", cache=node["type"])
+        return node
+
+    return walk(description) if names else dict(description)
