@@ -23,7 +23,7 @@ from clika_runtime.capture import capture as capture_mod
 from clika_runtime.capture.plan import CapturePlan, Knowledge, declared_axes
 from clika_runtime.capture.target import Target
 from clika_runtime.format import graphfile
-from clika_runtime.guards import guard as guards
+from clika_runtime.guards import json_form as guards
 from clika_runtime.shipped.graph import GraphFolder
 from clika_runtime.state.weights import found_again
 from clika_runtime.trees import pytrees as trees

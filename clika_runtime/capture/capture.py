@@ -28,8 +28,9 @@ from clika_runtime.capture.closures import Stats
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.verify import first_mismatch
 from clika_runtime.format import metadata, treedesc
-from clika_runtime.guards import guard as guards
-from clika_runtime.guards.guard import Guard, InputRule, dtype_name, evaluate
+from clika_runtime.guards import json_form as guards
+from clika_runtime.guards.conditions import evaluate
+from clika_runtime.guards.guard import Guard, InputRule, dtype_name
 from clika_runtime.shipped import graph as graph_mod
 from clika_runtime.state.weights import Baked, bake
 from clika_runtime.trees import kvcache

@@ -8,7 +8,7 @@ Schema 2 (this version): ``clika_runtime.schema`` = "2", ``clika_runtime.version
 version that wrote it), ``clika_runtime.inputs`` / ``clika_runtime.outputs`` (tree descriptions,
 treedesc.py), ``clika_runtime.dims`` (per input, each axis an int or a dim name),
 ``clika_runtime.parameters`` (the target's positional parameter names), ``clika_runtime.guard``
-(guards/guard.py's JSON form). Schema 1 (files of clika_runtime 0.1, no schema key) had no guard.
+(guards/json_form.py). Schema 1 (files of clika_runtime 0.1, no schema key) had no guard.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 from clika_runtime.base.errors import GraphFileError
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.format import treedesc
-from clika_runtime.guards import guard as guards
+from clika_runtime.guards import json_form as guards
 from clika_runtime.guards.guard import Guard
 
 SCHEMA = 2

@@ -3,78 +3,29 @@
 A ``Guard`` holds, per graph input, its dtype and shape (an int where static, a dim name where
 dynamic; one name means one size), the size range the exporter assumed for each dim, the value
 range of each lifted Python number, the size conditions the trace branched on (with the value
-each had at capture), and the points verified against eager outside of those: sizes 0 and 1,
-sizes outside a range, sizes that flip a condition. ``check(feeds)`` returns the first
-``Mismatch`` (or ``None``) and serves both to decide and to explain. The same guard ships in a
-graph's metadata as JSON (``to_json`` / ``from_json``) and ``cr.load`` enforces it.
+each had at capture; ``conditions.py`` is their language), and the points verified against eager
+outside of those: sizes 0 and 1, sizes outside a range, sizes that flip a condition.
+``check(feeds)`` returns the first ``Mismatch`` (or ``None``) and serves both to decide and to
+explain. The same guard ships in a graph's metadata as JSON (``json_form.py``) and ``cr.load``
+enforces it.
 
 No torch at module level: a loaded graph is guarded on a box with only onnxruntime and numpy.
 """
 
 from __future__ import annotations
 
-import operator
-import re
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-GUARD_VERSION = 1
+from clika_runtime.guards.conditions import defined, render
 
-# The size-condition language: op name -> (evaluation, how it reads). The exporter maps FX
-# targets to these names (exporters/conditions.py); this table is the only place they mean anything.
-OPS: dict[str, tuple[Any, str]] = {
-    "eq": (operator.eq, "=="), "ne": (operator.ne, "!="), "lt": (operator.lt, "<"), "le": (operator.le, "<="),
-    "gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "add": (operator.add, "+"), "sub": (operator.sub, "-"),
-    "mul": (operator.mul, "*"), "floordiv": (operator.floordiv, "//"), "mod": (operator.mod, "%"),
-    "and": (operator.and_, "and"), "or": (operator.or_, "or"), "neg": (operator.neg, "-"),
-    "not": (operator.not_, "not"), "max": (max, "max"), "min": (min, "min"),
-}
-_INFIX = {"eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "floordiv", "mod", "and", "or"}
-_ARITY = {"neg": (1, 1), "not": (1, 1), "max": (2, 64), "min": (2, 64)}  # (fewest, most); the others take 2
-# Bounds on a shipped guard, far above what a trace produces: with int64 constants, evaluating
-# every condition of a call stays cheap whatever the file says.
-MAX_CONDITION_DEPTH = 32
-MAX_CONDITION_NODES = 10_000
-_INT64 = (-(2**63), 2**63 - 1)
-_DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # Sizes 0 and 1 are where tracers assume most (broadcasting, 0/1 specialisation): in process, a
 # graph serves a dynamic dim at these sizes only once a call at that size was verified against eager.
 SPECIAL_BELOW = 2
-_NUMBER = "#"  # prefix of a lifted number's name where verified points record values by name
-
-
-def evaluate(tree: Sequence[Any], feeds: Sequence[Any]) -> Any:
-    """The value of a condition tree for these feeds. Leaves: ``("size", input, axis)``,
-    ``("num", input)`` (a lifted number), ``("const", value)``."""
-    kind = tree[0]
-    if kind == "size":
-        return feeds[tree[1]].shape[tree[2]]
-    if kind == "num":
-        return int(feeds[tree[1]])
-    if kind == "const":
-        return tree[1]
-    return OPS[kind][0](*(evaluate(child, feeds) for child in tree[1:]))
-
-
-def render(tree: Sequence[Any], names: Sequence[str]) -> str:
-    """A condition tree as text: ``x.shape[0] == 4``."""
-    kind = tree[0]
-    if kind == "size":
-        return f"{names[tree[1]]}.shape[{tree[2]}]"
-    if kind == "num":
-        return names[tree[1]]
-    if kind == "const":
-        return repr(tree[1])
-    parts = [render(child, names) for child in tree[1:]]
-    symbol = OPS[kind][1]
-    if kind in _INFIX and len(parts) == 2:
-        return f"{parts[0]} {symbol} {parts[1]}"
-    if kind in ("neg", "not"):
-        return f"{symbol} ({parts[0]})" if kind == "not" else f"-({parts[0]})"
-    return f"{symbol}({', '.join(parts)})"
+NUMBER_PREFIX = "#"  # starts a lifted number's name where verified points record values by name
 
 
 @dataclass(frozen=True)
@@ -174,11 +125,6 @@ class Guard:
         """The graph input names, in order."""
         return [rule.name for rule in self.inputs]
 
-    @property
-    def exact_shapes(self) -> tuple[tuple[int, ...], ...] | None:
-        """Every input's one accepted shape, when the guard is nothing more than that."""
-        return None if self._exact is None else tuple(shape for shape, _ in self._exact)
-
     def check(self, feeds: Sequence[Any]) -> Mismatch | None:
         """The first reason this graph may not serve ``feeds`` (tensors or arrays, and Python
         numbers for lifted inputs), or ``None`` when it may."""
@@ -201,7 +147,7 @@ class Guard:
 
     def outcomes(self, feeds: Sequence[Any]) -> tuple[Any, ...]:
         """Each size condition's value for these feeds (``None`` where it divides by zero)."""
-        return tuple(_defined(tree, feeds) for tree, _ in self.conditions)
+        return tuple(defined(tree, feeds) for tree, _ in self.conditions)
 
     def point(self, feeds: Sequence[Any]) -> Verified | None:
         """Where ``feeds`` lie outside what the graph was traced for (sizes 0/1 to verify, sizes
@@ -245,7 +191,7 @@ class Guard:
         sizes: dict[str, int] = {}
         for rule, feed in zip(self.inputs, feeds):
             if rule.shape is None:
-                sizes[_NUMBER + rule.name] = int(feed)
+                sizes[NUMBER_PREFIX + rule.name] = int(feed)
                 continue
             for axis, (want, got) in enumerate(zip(rule.shape, feed.shape)):
                 if type(want) is int:
@@ -301,7 +247,7 @@ class Guard:
         below 2 (see ``verify_small``)."""
         unusual = {}
         for name, size in sizes.items():
-            if name.startswith(_NUMBER):
+            if name.startswith(NUMBER_PREFIX):
                 continue
             lo, hi = self._bounds.get(name, (0, None))
             if size < lo or (hi is not None and size > hi) or (self.verify_small and size < SPECIAL_BELOW):
@@ -317,55 +263,12 @@ class Guard:
         sizes: dict[str, int] = {}
         for rule, feed in zip(self.inputs, feeds):
             if rule.shape is None:
-                sizes[_NUMBER + rule.name] = int(feed)
+                sizes[NUMBER_PREFIX + rule.name] = int(feed)
                 continue
             for want, got in zip(rule.shape, feed.shape):
                 if type(want) is not int:
                     sizes.setdefault(want, got)
         return sizes
-
-
-# ---------------------------------------------------------------------------------- shipped form
-
-
-def to_json(guard: Guard) -> dict[str, Any]:
-    """The versioned JSON form that ships in a graph's metadata (no device: any place)."""
-    return {
-        "version": GUARD_VERSION,
-        "inputs": [_rule_json(r) for r in guard.inputs],
-        "ranges": {name: [lo, hi] for name, lo, hi in guard.ranges},
-        "conditions": [{"when": _tree_json(t), "is": v} for t, v in guard.conditions],
-        "verified": [{"sizes": dict(v.sizes), "outcomes": list(v.outcomes)} for v in guard.verified],
-        "example": dict(guard.example),
-    }
-
-
-def from_json(data: Mapping[str, Any]) -> Guard:
-    """Parse the shipped form; ``ValueError`` naming what is malformed.
-
-    Everything is checked here, so that no call can fail on it later: ints are int64 (sizes
-    and numbers in the graph are), conditions use known ops with their arity, read sizes of
-    shaped inputs on axes they have and numbers of number inputs, and are bounded in size.
-    """
-    if not isinstance(data, Mapping) or data.get("version") != GUARD_VERSION:
-        version = data.get("version") if isinstance(data, Mapping) else None
-        raise ValueError(f"guard: unknown version {_brief(version)} "
-                         f"(this clika_runtime reads version {GUARD_VERSION})")
-    try:
-        inputs = tuple(_rule_from(r) for r in data["inputs"])
-        ranges = tuple((_dim(n), _int(lo), _optional_int(hi)) for n, (lo, hi) in data.get("ranges", {}).items())
-        budget = [MAX_CONDITION_NODES]
-        conditions = tuple((_tree_from(c["when"], inputs, budget), _scalar(c["is"]))
-                           for c in data.get("conditions", []))
-        verified = tuple(
-            Verified(tuple(sorted((_name(k), _int(v)) for k, v in p["sizes"].items())),
-                     tuple(map(_outcome, p["outcomes"])))
-            for p in data.get("verified", [])
-        )
-        example = tuple((_name(k), _int(v)) for k, v in data.get("example", {}).items())
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"guard: malformed ({type(e).__name__}: {str(e)[:200]})") from None
-    return Guard(inputs, ranges, conditions, verified, example)
 
 
 def _fits(guard: Guard) -> Callable[[Sequence[Any]], bool]:
@@ -411,17 +314,10 @@ def _dims_read(inputs: Sequence[InputRule], tree: Sequence[Any]) -> frozenset[st
         dim = shape[tree[2]] if shape is not None else None
         return frozenset([dim]) if isinstance(dim, str) else frozenset()
     if tree[0] == "num":
-        return frozenset([_NUMBER + inputs[tree[1]].name])
+        return frozenset([NUMBER_PREFIX + inputs[tree[1]].name])
     if tree[0] == "const":
         return frozenset()
     return frozenset().union(*(_dims_read(inputs, child) for child in tree[1:]))
-
-
-def _defined(tree: Sequence[Any], feeds: Sequence[Any]) -> Any:
-    try:
-        return evaluate(tree, feeds)
-    except ZeroDivisionError:  # a size that is 0 now divides: undefined, so never the value at capture
-        return None
 
 
 def _is_integer(value: Any) -> bool:
@@ -455,103 +351,3 @@ def _dtype_objects(name: str) -> frozenset:
     if torch is not None and isinstance(getattr(torch, name, None), torch.dtype):
         found.add(getattr(torch, name))
     return frozenset(found)
-
-
-def _rule_json(rule: InputRule) -> dict[str, Any]:
-    if rule.shape is None:
-        return {"name": rule.name, "dtype": rule.dtype, "number": list(rule.number or (None, None))}
-    return {"name": rule.name, "dtype": rule.dtype, "shape": list(rule.shape)}
-
-
-def _rule_from(data: Mapping[str, Any]) -> InputRule:
-    name, dtype = _name(data["name"]), data["dtype"]
-    if not isinstance(dtype, str) or not _DTYPE_NAME.fullmatch(dtype):
-        raise ValueError(f"input '{name}': dtype {_brief(dtype)} is not a dtype name")
-    if "number" in data:
-        lo, hi = data["number"]
-        return InputRule(name, dtype, None, (_optional_int(lo), _optional_int(hi)))
-    shape = tuple(_dim(d) if isinstance(d, str) else _int(d, low=0) for d in data["shape"])
-    return InputRule(name, dtype, shape)
-
-
-def _tree_json(tree: Sequence[Any]) -> list[Any]:
-    if tree[0] in ("size", "num", "const"):
-        return list(tree)
-    return [tree[0], *(_tree_json(child) for child in tree[1:])]
-
-
-def _tree_from(data: Any, inputs: Sequence[InputRule], budget: list[int], depth: int = 0) -> tuple:
-    """A condition tree from JSON, checked: known ops with their arity, sizes of shaped inputs on
-    axes they have, numbers of number inputs, int64 constants, bounded depth and node count."""
-    budget[0] -= 1
-    if not isinstance(data, list) or not data or depth > MAX_CONDITION_DEPTH or budget[0] < 0:
-        raise ValueError(f"condition: expected a list of at most {MAX_CONDITION_DEPTH} levels and "
-                         f"{MAX_CONDITION_NODES} nodes in all, got {_brief(data)}")
-    kind, args = data[0], data[1:]
-    if kind == "size" and len(args) == 2:
-        index, axis = _index(args[0], inputs), _int(args[1], low=0)
-        if inputs[index].shape is None or axis >= len(inputs[index].shape):
-            raise ValueError(f"condition: input '{inputs[index].name}' has no axis {axis}")
-        return ("size", index, axis)
-    if kind == "num" and len(args) == 1:
-        index = _index(args[0], inputs)
-        if inputs[index].shape is not None:
-            raise ValueError(f"condition: input '{inputs[index].name}' is not a number")
-        return ("num", index)
-    if kind == "const" and len(args) == 1:
-        return ("const", _scalar(args[0]))
-    fewest, most = _ARITY.get(kind, (2, 2)) if isinstance(kind, str) and kind in OPS else (1, 0)
-    if fewest <= len(args) <= most:
-        return (kind, *(_tree_from(child, inputs, budget, depth + 1) for child in args))
-    raise ValueError(f"condition: unknown node {_brief(kind)} with {len(args)} argument(s)")
-
-
-def _index(value: Any, inputs: Sequence[InputRule]) -> int:
-    index = _int(value, low=0)
-    if index >= len(inputs):
-        raise ValueError(f"condition: input {index} out of range ({len(inputs)} inputs)")
-    return index
-
-
-def _int(value: Any, low: int = _INT64[0]) -> int:
-    """An int within int64 (and at least ``low``): what a size or a number in the graph can be."""
-    if type(value) is not int or not low <= value <= _INT64[1]:
-        raise ValueError(f"expected an int in [{low}, {_INT64[1]}], got {_brief(value)}")
-    return value
-
-
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else _int(value)
-
-
-def _name(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"expected a name, got {_brief(value)}")
-    return value
-
-
-def _dim(value: Any) -> str:
-    """A dim name: ``#`` starts the names of lifted numbers where sizes are recorded, so none may."""
-    if _name(value).startswith(_NUMBER):
-        raise ValueError(f"dim name {_brief(value)} starts with '{_NUMBER}'")
-    return value
-
-
-def _scalar(value: Any) -> Any:
-    if isinstance(value, bool) or (type(value) is int and _INT64[0] <= value <= _INT64[1]):
-        return value
-    raise ValueError(f"expected an int64 or a bool, got {_brief(value)}")
-
-
-def _outcome(value: Any) -> Any:
-    """A verified point's condition value: also ``None``, a condition undefined there (``outcomes``)."""
-    return None if value is None else _scalar(value)
-
-
-def _brief(value: Any) -> str:
-    """A hostile value in an error message: short, and never a deep repr (which could recurse)."""
-    if isinstance(value, (list, dict)):
-        return f"a {type(value).__name__} of {len(value)}"
-    if type(value) is int and value.bit_length() > 64:  # repr of a huge int is slow, or refused
-        return f"an int of {value.bit_length()} bits"
-    return repr(value)[:40] if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__

@@ -84,7 +84,7 @@ def outputs_of(model_proto: Any) -> tuple[TensorInfo, ...]:
 
 def guard_text(guard: Any) -> str:
     """What a guard adds to the dims, in words: ranges, size conditions, verified sizes 0/1."""
-    from clika_runtime.guards.guard import render
+    from clika_runtime.guards.conditions import render
 
     parts = [f"{name} in [{lo}, {'inf' if hi is None else hi}]" for name, lo, hi in guard.ranges]
     parts += [f"{render(tree, guard.names)} is {value}" for tree, value in guard.conditions]
