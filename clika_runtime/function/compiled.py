@@ -153,8 +153,13 @@ class CompiledFunction(Generic[P, R]):
 
     @property
     def state(self) -> State:
-        """``State.Pending``, ``State.Compiled`` or ``State.Fallback`` (see ``State``)."""
-        return self._lifecycle.table.state
+        """``State.Pending``, ``State.Compiled`` or ``State.Fallback`` (see ``State``): also
+        ``Fallback`` while nothing is captured and the keys seen so far serve eagerly (their
+        captures failed; ``eager_keys`` says why), though a call with a new key may still capture."""
+        table = self._lifecycle.table
+        if table.state is State.Pending and table.refused:
+            return State.Fallback
+        return table.state
 
     @property
     def recapture_count(self) -> int:
@@ -168,9 +173,18 @@ class CompiledFunction(Generic[P, R]):
 
     @property
     def fallback_reason(self) -> str | None:
-        """Why the function serves eagerly (``State.Fallback``); ``None`` otherwise."""
+        """Why the function serves eagerly (``State.Fallback``): the whole function's reason, or
+        the last refused key's; ``None`` otherwise."""
         table = self._lifecycle.table
-        return table.fallback_why if table.state is State.Fallback else None
+        if table.state is State.Fallback:
+            return table.fallback_why
+        return next(reversed(table.refused.values()))[1] if table.state is State.Pending and table.refused else None
+
+    @property
+    def eager_keys(self) -> dict[str, str]:
+        """The keys whose calls serve eagerly because their capture failed, in words, each with
+        why (a training-mode call, a dtype onnxruntime cannot run...); other keys still capture."""
+        return dict(self._lifecycle.table.refused.values())
 
     @property
     def capture_notes(self) -> list[str]:

@@ -33,7 +33,9 @@ from clika_runtime.function import degrade, staleness
 from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget, planned,
 )
-from clika_runtime.function.table import CacheTable, State, fallen_back, fresh, with_capture, with_replaced, without
+from clika_runtime.function.table import (
+    CacheTable, State, fallen_back, fresh, with_capture, with_refused, with_replaced, without,
+)
 from clika_runtime.state import weights
 from clika_runtime.state.pystate import Snapshot
 from clika_runtime.trees import kvcache
@@ -150,7 +152,7 @@ class Lifecycle:
         if eager is None:
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
             if mutated:
-                return self._give_up(_mutation(mutated), generation, lambda: out)
+                return self._refuse(plan.call, _mutation(mutated), generation, lambda: out)
         else:
             (out,) = eager
         with TARGETS.shared():
@@ -164,7 +166,7 @@ class Lifecycle:
         except CaptureError as error:
             why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
                 if written and isinstance(error, VerificationError) else ""
-            return self._give_up(f"capture failed: {error}{why}", generation, lambda: out)
+            return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out)
         attempt.notes.extend(_unwatched(attempt.capture, written))
         with self.lock:
             held = len(self.table.captures)
@@ -206,7 +208,7 @@ class Lifecycle:
         plan, capture = decision.otherwise, decision.capture
         out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
         if mutated:
-            return self._give_up(_mutation(mutated), generation, lambda: out)
+            return self._refuse(plan.call, _mutation(mutated), generation, lambda: out)
         if _blank(plan.call.feeds):  # zeros agree with either side of a branch: wait for a call that tells
             return out
         problem = _disagreement(capture, plan.call.feeds, out)
@@ -238,9 +240,27 @@ class Lifecycle:
                 warnings.warn(f"clika_runtime: {name} serves eagerly until reset(): {why}", stacklevel=_user_level())
         return result()
 
+    def _refuse(self, call: Call, why: str, generation: int, result: Callable[[], Any]) -> Any:
+        """This call's key serves eagerly until ``reset()``, with a warning that says why; the
+        other keys keep capturing (torch.compile falls back per frame). ``fullgraph=True`` raises."""
+        name = self.target.name
+        if self.target.fullgraph:
+            raise CaptureError(f"{name}: {why}") from None
+        with self.lock:
+            if self.table.generation == generation and call.key not in self.table.refused:
+                words = call.described.words()
+                self.table = with_refused(self.table, call.key, words, why)
+                logger.info("%s serves eagerly until reset(), for calls with the key %s: %s", name, words, why)
+                warnings.warn(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key "
+                              f"({words}): {why}; calls with other keys still capture", stacklevel=_user_level())
+        return result()
+
     def _unkeyable(self, why: str) -> None:
         if self.target.fullgraph:
             raise CaptureError(f"{self.target.name}: {why}; pass it as a tensor or a hashable value")
+        with self.lock:
+            if None not in self.table.refused:  # what f.state and f.fallback_reason say while nothing serves
+                self.table = with_refused(self.table, None, "calls that cannot be keyed", f"{why}; such calls serve eagerly")
         self._eager_because(f"{why}; serving this call eagerly")
 
     def _eager_because(self, why: str) -> None:

@@ -77,6 +77,8 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     for capture in variants:
         if capture.guard.check(call.feeds) is None:
             return Serve(capture)
+    if call.key in table.refused:
+        return Eager()  # its capture failed: said when it did
     if variants:
         return _within_key(table, call, variants, options)
     call, lift_reasons = _lift_changed_numbers(table, call, options, owner)

@@ -52,6 +52,9 @@ class CacheTable:
     away from a call);
     ``pending`` is the reason the next capture will give (a graph dropped, weights changed), and
     ``pending_spends`` whether that capture spends the re-capture budget;
+    ``refused``: keys whose capture failed (a training-mode call, a dtype onnxruntime cannot
+    run, a call that mutates an input), each with the key in words and why: their calls serve
+    eagerly, the other keys keep capturing (``None``: calls that cannot be keyed at all);
     ``spent``: the re-captures that spent it (drift, a number that varies, a graph that failed,
     captures dropped or evicted before they served a call). New keys and weights or state that
     changed after their graph served are re-captures too (``recaptures``), but not spent:
@@ -72,6 +75,7 @@ class CacheTable:
     fallback_why: str | None = None
     pending: str | None = None
     pending_spends: bool = False
+    refused: Mapping[CallKey | None, tuple[str, str]] = field(default_factory=lambda: MappingProxyType({}))
     spent: tuple[str, ...] = ()
     last: Described | None = None  # the key of the last capture made (explains misses when none is cached)
     last_names: tuple[str, ...] = ()  # its graph input names
@@ -149,6 +153,18 @@ def rewatched(table: CacheTable, snapshot: Snapshot | None = None) -> CacheTable
     """``table`` with a new weights watch (after a registration that changed nothing baked), and
     ``snapshot`` when given (after a change of state no capture read)."""
     return _rebuilt(table, dict(table.entries), snapshot=snapshot or table.snapshot)
+
+
+REFUSED_KEPT = 64  # keys remembered as refused: past that, the oldest is tried again
+
+
+def with_refused(table: CacheTable, key: CallKey | None, words: str, why: str) -> CacheTable:
+    """``table`` with ``key``'s calls (``words``) served eagerly from now on (until ``reset()``), for ``why``."""
+    refused = {k: v for k, v in table.refused.items() if k != key}
+    refused[key] = (words, why)
+    while len(refused) > REFUSED_KEPT:
+        del refused[next(iter(refused))]
+    return replace(table, refused=MappingProxyType(refused))
 
 
 def fallen_back(table: CacheTable, why: str) -> CacheTable:

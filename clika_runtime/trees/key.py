@@ -148,6 +148,23 @@ class Described(NamedTuple):
     static_names: tuple[str, ...]  # the static leaves' names, in order
     tensor_names: tuple[str, ...]  # the fed tensors' names, in order
 
+    def words(self) -> str:
+        """The key in words, as ``f.captures`` shows it: ``x: float32 on cpu, mode='relu', eval``."""
+        key = self.key
+        parts = [f"{name}: {str(dtype).replace('torch.', '')} on {device}"
+                 for name, (dtype, _, device, *_) in zip(self.tensor_names, key.tensors)]
+        parts += [f"{name}={_static_text(static)}" for name, static in zip(self.static_names, key.statics)
+                  if not isinstance(static, Lifted)]
+        if key.training is not None:
+            parts.append("training" if key.training else "eval")
+        return ", ".join(parts)
+
+
+def _static_text(static: Any) -> str:
+    if static[0] == "snapshot":
+        return f"{static[1].__name__}(...)"
+    return repr(static[1]) if len(static) == 2 else repr(static[1]) if static[1] != ("nan",) else "nan"
+
 
 def distance(a: CallKey, b: CallKey) -> int:
     """How far two keys are: a new structure is furthest, then each differing part counts one."""

@@ -1,0 +1,99 @@
+"""A capture that fails makes its own key serve eagerly: the other keys keep capturing and
+serving (torch.compile falls back per frame). The budget and take_graph() still stop the whole
+function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import clika_runtime as cr
+from conftest import Counted
+
+State = cr.CompiledFunction.State
+
+
+def _noisy(layer: torch.nn.Module) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 6), layer, torch.nn.Linear(6, 2))
+
+
+def test_a_training_mode_call_leaves_eval_calls_served():
+    model = _noisy(torch.nn.Dropout(0.5))
+    f = cr.compile(model)
+    x = torch.randn(8, 6)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match=r"serves eagerly until reset\(\), for calls with the key \(input: "
+                                             r"float32 on cpu, training\): capture failed: .*other keys still capture"):
+            model.train()
+            f(x)
+        for _ in range(2):  # train -> eval -> train -> eval: eval calls are served, training calls eager
+            model.eval()
+            for _ in range(3):
+                torch.testing.assert_close(f(x), model(x))
+            model.train()
+            f(x)
+    assert f.state is State.Compiled and f.captures[0].hits == 5 and f.captures[0].key.endswith("eval")
+    assert f.recapture_count == 0
+    (words, why), = f.eager_keys.items()
+    assert words.endswith("training") and why.startswith("capture failed")
+
+
+def test_batch_norm_in_training_mode_leaves_eval_calls_served_on_its_new_statistics():
+    model = _noisy(torch.nn.BatchNorm1d(6))
+    f = cr.compile(model)
+    x = torch.randn(8, 6)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match=r"for calls with the key \(input: float32 on cpu, training\)"):
+            model.train()
+            f(x)  # eager: updates the running statistics
+        for _ in range(2):
+            model.eval()
+            for _ in range(3):
+                torch.testing.assert_close(f(x), model(x))
+            assert f.captures[0].hits == 2  # the eval graph of the statistics as they are now
+            model.train()
+            f(x)  # moves the statistics again: the next eval call captures them
+    (reason,) = f.recapture_reasons  # the second eval phase: statistics the training call moved
+    assert reason.startswith("weights changed: '1."), reason  # (num_batches_tracked: the kernel's own writes move no counter)
+    assert f.state is State.Compiled and f.eager_keys and len(f.captures) == 1
+
+
+def _scaled(x: torch.Tensor, in_place: bool) -> torch.Tensor:
+    if in_place:
+        x.mul_(2)
+        return x
+    return x * 2
+
+
+def test_a_key_that_mutates_its_input_leaves_the_other_key_served():
+    target = Counted(_scaled)
+    f = cr.compile(target)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"in_place=True\): input mutation"):
+        f(torch.ones(3), True)
+    for _ in range(3):
+        torch.testing.assert_close(f(torch.ones(3), False), torch.full((3,), 2.0))
+        torch.testing.assert_close(f(torch.ones(3), True), torch.full((3,), 2.0))
+    assert f.state is State.Compiled and f.captures[0].hits == 2
+    assert target.calls == 1 + 2 + 3  # the refused key's calls (1 + 3), the other key's capture (eager + trace)
+
+
+def test_nothing_captured_and_every_key_refused_reads_fallback_with_the_reason():
+    f = cr.compile(lambda x, marks: x * len(marks))
+    with torch.no_grad(), pytest.warns(UserWarning, match="unhashable type set"):
+        f(torch.ones(2), {1, 2})  # a set cannot key a capture
+    assert f.state is State.Fallback and "unhashable type set" in f.fallback_reason and not f.captures
+    with torch.no_grad():
+        f(torch.ones(2), (1, 2))
+        f(torch.ones(2), (1, 2))
+    assert f.state is State.Compiled and f.fallback_reason is None and f.captures[0].hits == 1
+
+
+def test_reset_forgets_the_refused_keys():
+    model = _noisy(torch.nn.Dropout(0.5)).train()
+    f = cr.compile(model)
+    with torch.no_grad(), pytest.warns(UserWarning):
+        f(torch.randn(4, 6))
+    assert f.eager_keys
+    f.reset()
+    assert f.eager_keys == {} and f.state is State.Pending
