@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from clika_runtime.shipped.validation import format_inspection, inspect_graph
+    from clika_runtime.shipped.inspection import format_inspection, inspect_graph
 
     info = inspect_graph(args.model)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
@@ -220,7 +220,7 @@ def _example(spec: Any) -> Any:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from clika_runtime.capture.hints import first_line
+    from clika_runtime.base.errors import first_line
     from clika_runtime.function.compiled import CompiledFunction
 
     target = _called(args.factory, _load_object(args.factory))
@@ -253,7 +253,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _called(spec: str, fn: Any) -> Any:
     """``fn()``; an error of its own as one line naming ``spec`` (the traceback at DEBUG)."""
-    from clika_runtime.capture.hints import first_line
+    from clika_runtime.base.errors import first_line
 
     try:
         return fn()

@@ -1,7 +1,7 @@
 """CI graph validation on a small zoo: capture each workload at two sizes, check the graph matches
 eager (clika_runtime.testing), save it, validate the file as `clika-runtime validate` does, and
 write it as a Triton model (batching along dim 0 where the graph allows it) checked against
-Triton's schema and rules (`clika_runtime.triton.check_repository`).
+Triton's schema and rules (`clika_runtime.triton.checker.check_repository`).
 
 Exit code 0 only when every graph passed. Run by the test suite (tests/test_zoo.py).
 """
@@ -19,7 +19,7 @@ from workloads import build  # noqa: E402
 
 from clika_runtime.base.errors import DeployError
 from clika_runtime.testing import assert_graph_matches_eager  # noqa: E402
-from clika_runtime.triton.repository import check_repository
+from clika_runtime.triton.checker import check_repository
 from clika_runtime.shipped.validation import validate_graph
 
 

@@ -16,7 +16,7 @@ read that record per family:
 - ``test_graph_names_equal_dims_alike_and_validates``: ``take_graph()`` names axes of equal size
   alike (``attention_mask`` like ``input_ids``; an output axis computed from input dims may carry
   the expression, ``((pixel_values_dim2//8))*((pixel_values_dim3//8)) + 1``) and the saved graph
-  passes ``clika_runtime.validation.validate_graph`` with no ``dims``.
+  passes ``clika_runtime.shipped.validation.validate_graph`` with no ``dims``.
 
 Below them, plain-torch reproductions of each trap the families hit, a few lines each.
 The findings behind each trap are in docs/HF-ZOO-FINDINGS.md.

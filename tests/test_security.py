@@ -36,7 +36,8 @@ from onnx import TensorProto, helper, numpy_helper
 import clika_runtime as cr
 from clika_runtime import GraphFileError, GraphInputError, GraphRunError
 from clika_runtime.cli import main as cli
-from clika_runtime.shipped.validation import SAFE_TO_OPEN, inspect_graph, validate_graph
+from clika_runtime.shipped.inspection import inspect_graph
+from clika_runtime.shipped.validation import SAFE_TO_OPEN, validate_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY_ERRORS = (GraphFileError, GraphInputError, GraphRunError)

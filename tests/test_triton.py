@@ -3,7 +3,7 @@
 Every written config is parsed with Triton's own schema (tritonclient's model_config_pb2) and
 compared with the graph it came from; every refusal is matched by its message. Real captures, real
 onnxruntime. No Triton server runs here: what Triton checks when it loads a model is checked from its
-schema and from the graph, by rules written down (with their sources) in clika_runtime/triton/repository.py.
+schema and from the graph, by rules written down (with their sources) in clika_runtime/triton/rules.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tritonclient.grpc import model_config_pb2
 import clika_runtime as cr
 from clika_runtime.cli import main as cli
 from clika_runtime.triton import pbtxt
-from clika_runtime.triton.repository import check_repository, read_config
+from clika_runtime.triton.checker import check_repository, read_config
 
 
 class Multi(torch.nn.Module):
@@ -466,7 +466,7 @@ def test_without_tritonclient_the_own_reader_gives_the_same_answers(request, tmp
     script = textwrap.dedent("""
         import json, sys
         sys.modules["tritonclient"] = None  # any import of it now fails
-        from clika_runtime.triton.repository import check_repository, read_config
+        from clika_runtime.triton.checker import check_repository, read_config
         print(json.dumps([[repr(read_config(f + "/config.pbtxt")), check_repository(f)] for f in sys.argv[1:]]))
     """)
     result = subprocess.run([sys.executable, "-c", script, *map(str, folders)], capture_output=True, text=True,

@@ -1,4 +1,5 @@
-"""Every error clika_runtime raises. Messages name the input path, say expected vs got, and the fix."""
+"""Every error clika_runtime raises, and ``first_line``, how a report quotes one. Messages name the
+input path, say expected vs got, and the fix."""
 
 from __future__ import annotations
 
@@ -63,3 +64,9 @@ class ProtocolError(ClikaError, ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, at most 300 characters (its type name when it has none)."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(error).__name__

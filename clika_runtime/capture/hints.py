@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
-from clika_runtime.base.errors import CaptureError, UncapturableError
+# first_line lives in base.errors, which shipped/ reports with too; capture/ and function/ read it here.
+from clika_runtime.base.errors import CaptureError, UncapturableError, first_line
 from clika_runtime.trees.key import Unkeyable
 
 logger = logging.getLogger("clika_runtime")
@@ -23,12 +24,6 @@ _ONNX_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, tor
 # take or give the caller's tensor.
 _COMPLEX_FIX = "pass torch.view_as_real(...) and return torch.view_as_real(...) (complex tensors enter and leave graphs as real pairs)"
 _OUTPUT_VALUES = (int, float, bool, str, bytes, type(None))
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message (its type name when it has none)."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(error).__name__
 
 
 def check_inputs(feeds: Sequence[Any], names: Sequence[str]) -> None:

@@ -1,1 +1,1 @@
-"""A graph file read as untrusted bytes, the metadata schema, and tree descriptions."""
+"""A graph file read as untrusted bytes, its declared interface, the metadata schema, and tree descriptions."""

@@ -272,9 +272,10 @@ def too_big(model_proto: Any) -> bool:
     return sum(len(t.raw_data) for t in model_proto.graph.initializer) > _PROTOBUF_LIMIT
 
 
-def existing(path: str | os.PathLike) -> Path:
-    """``path`` as a ``Path``, or ``GraphFileError`` when no such file exists."""
+def existing(path: str | os.PathLike, *, folders: bool = False) -> Path:
+    """``path`` as a ``Path``, or ``GraphFileError`` when no such file exists (with ``folders``,
+    when nothing by that name exists: a Triton model folder will do)."""
     path = Path(path)
-    if not path.is_file():
+    if not (path.exists() if folders else path.is_file()):
         raise GraphFileError(f"{path}: no such file")
     return path

@@ -1,1 +1,1 @@
-"""The shipped artefact: ModelGraph, the torch-free ServedGraph, describing and validating saved graphs."""
+"""The shipped artefact: ModelGraph, the torch-free ServedGraph, describing, inspecting and validating saved graphs."""

@@ -5,9 +5,10 @@ served graphs describe their inputs with ``TensorInfo`` on boxes without it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from clika_runtime.base.specs import TensorInfo
+from clika_runtime.format.interface import Port, interface
 
 
 @dataclass(frozen=True)
@@ -40,17 +41,17 @@ def describe_graph(model_proto: Any, where: str) -> CaptureInfo:
     from clika_runtime.format import metadata
 
     found = metadata.read({p.key: p.value for p in model_proto.metadata_props}, where)
-    initializers = {i.name for i in model_proto.graph.initializer}
-    inputs = tuple(info for info in _values(model_proto.graph.input) if info.name not in initializers)
+    declared = interface(model_proto)
+    inputs, outputs = _tensor_infos(declared.inputs), _tensor_infos(declared.outputs)
     if found is None:
-        return CaptureInfo(key="", inputs=inputs, outputs=outputs_of(model_proto))
+        return CaptureInfo(key="", inputs=inputs, outputs=outputs)
     args, kwargs = found.inputs["children"]
     leaves = [(found.parameters[i] if i < len(found.parameters) else f"args_{i}", child)
               for i, child in enumerate(args["children"])] + list(zip(map(str, kwargs["keys"]), kwargs["children"]))
     statics = [f"{path}={leaf['value']!r}" for name, child in leaves for path, leaf in _static_leaves(child, name)
                if leaf["kind"] == "const"]
     tensors = [f"{i.name}: {i.dtype}" for i in inputs]
-    return CaptureInfo(key=", ".join(tensors + statics), inputs=inputs, outputs=outputs_of(model_proto),
+    return CaptureInfo(key=", ".join(tensors + statics), inputs=inputs, outputs=outputs,
                        guard=guard_text(found.guard) if found.guard is not None else "")
 
 
@@ -64,22 +65,17 @@ def _static_leaves(description: dict[str, Any], path: str) -> list[tuple[str, di
     return found
 
 
-def _values(values: Any) -> list[TensorInfo]:
+def _tensor_infos(ports: Sequence[Port]) -> tuple[TensorInfo, ...]:
+    """Inputs or outputs with numpy's dtype names; ``KeyError`` for an element type numpy has no
+    dtype for."""
     import onnx
 
     infos = []
-    for value in values:
-        tensor = value.type.tensor_type
-        dims = tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)
-        dtype = "bfloat16" if tensor.elem_type == onnx.TensorProto.BFLOAT16 else \
-            onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
-        infos.append(TensorInfo(value.name, dtype, dims))
-    return infos
-
-
-def outputs_of(model_proto: Any) -> tuple[TensorInfo, ...]:
-    """The graph outputs of an ONNX model with their dtypes and dims."""
-    return tuple(_values(model_proto.graph.output))
+    for port in ports:
+        dtype = "bfloat16" if port.elem_type == onnx.TensorProto.BFLOAT16 else \
+            onnx.helper.tensor_dtype_to_np_dtype(port.elem_type).name
+        infos.append(TensorInfo(port.name, dtype, tuple(d if d != "" else None for d in port.dims or ())))
+    return tuple(infos)
 
 
 def guard_text(guard: Any) -> str:

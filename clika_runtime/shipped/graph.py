@@ -18,6 +18,7 @@ from clika_runtime.base.errors import GraphFileError
 from clika_runtime.base.specs import PlaceLike
 from clika_runtime.format import graphfile, metadata
 from clika_runtime.format.graphfile import existing, too_big
+from clika_runtime.format.interface import interface
 
 
 class ModelGraph:
@@ -48,13 +49,12 @@ class ModelGraph:
     @property
     def input_names(self) -> list[str]:
         """Graph input names, in flattening order of the input pytree."""
-        initializers = {i.name for i in self._proto.graph.initializer}
-        return [i.name for i in self._proto.graph.input if i.name not in initializers]
+        return [i.name for i in interface(self._proto).inputs]
 
     @property
     def output_names(self) -> list[str]:
         """Graph output names, in flattening order of the output pytree."""
-        return [o.name for o in self._proto.graph.output]
+        return [o.name for o in interface(self._proto).outputs]
 
     @property
     def graph_name(self) -> str:
@@ -65,11 +65,11 @@ class ModelGraph:
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
         """``{input_or_output_name: {axis: dim_name}}`` for every dynamic axis, torch.onnx.export's form."""
         axes: dict[str, dict[int, str]] = {}
-        for value in list(self._proto.graph.input) + list(self._proto.graph.output):
-            dims = value.type.tensor_type.shape.dim
-            named = {a: d.dim_param for a, d in enumerate(dims) if d.dim_param}
+        declared = interface(self._proto, initializers=True)
+        for port in declared.inputs + declared.outputs:
+            named = {a: d for a, d in enumerate(port.dims or ()) if isinstance(d, str) and d}
             if named:
-                axes[value.name] = named
+                axes[port.name] = named
         return axes
 
     @property
@@ -122,7 +122,7 @@ class ModelGraph:
         ``model.onnx/`` with ``model.onnx`` and its data, the layout Triton documents. Raises
         ``DeployError`` (before writing anything) for what Triton would refuse: see docs/DEPLOY.md.
         """
-        from clika_runtime.triton.repository import write_model
+        from clika_runtime.triton.writer import write_model
 
         return write_model(
             self, repository, name, version=version, max_batch_size=max_batch_size,

@@ -53,16 +53,16 @@ class ServedGraph:
         declared = read_session(self._session, where)
         self._declared = (declared.inputs, declared.outputs)
         self._types = treedesc.allowed_types(output_types)
-        found = _described(declared, self._types, where)
+        found, self._guard = metadata_and_guard(declared, where)
+        _check_output_types(found, self._types, where)
         self._where = where
         self.input_names = [i.name for i in declared.inputs]
         self.output_names = [o.name for o in declared.outputs]
         self._inputs = found.inputs if found else None
         self._outputs = found.outputs if found else None
         self._parameters = found.parameters if found else []
-        self._guard = found.guard if found and found.guard else declared_guard(self._session)
         self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
-        self._numpy_unfit = [o.name for o in self._session.get_outputs() if o.type == "tensor(bfloat16)"]
+        self._numpy_unfit = [o.name for o in declared.outputs if o.dtype == "bfloat16"]
         self._torch: Any = None
 
     @property
@@ -192,7 +192,7 @@ class ServedGraph:
 
         tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in feeds]
         if self._torch is None:
-            dtypes = [t.dtype for t in tensors] + [serving.DTYPE_NAMES.get(o.type, o.type) for o in self._session.get_outputs()]
+            dtypes = [t.dtype for t in tensors] + [o.dtype for o in self._declared[1]]
             self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
         return self._torch.run(tensors)
 
@@ -216,17 +216,24 @@ def read_session(session: Any, where: str) -> Declared:
         raise GraphFileError(f"{where}: a name or metadata value in the graph is not UTF-8 text ({e.reason})") from None
 
 
-def _described(declared: Declared, types: Mapping[str, type], where: str) -> metadata.Metadata | None:
-    """The graph's clika_runtime metadata, checked against the graph it ships with and the output
-    classes allowed here; ``None`` for a graph from another tool."""
+def metadata_and_guard(declared: Declared, where: str) -> tuple[metadata.Metadata | None, Guard]:
+    """The graph's clika_runtime metadata, checked against the graph it ships with (``None`` for a
+    graph from another tool), and the guard it is served with: the shipped one, or for a graph
+    that ships none, one read from its declared inputs."""
     found = metadata.read(declared.metadata, where)
+    if found is None:
+        return None, _declared_guard(declared.inputs)
+    metadata.check_fits(found, declared.inputs, declared.outputs, where)
+    return found, found.guard if found.guard is not None else _declared_guard(declared.inputs)
+
+
+def _check_output_types(found: metadata.Metadata | None, types: Mapping[str, type], where: str) -> None:
+    """``GraphFileError`` when the output tree the graph describes needs a class not allowed here."""
     if found is not None:
-        metadata.check_fits(found, declared.inputs, declared.outputs, where)
         try:
             treedesc.check_types(found.outputs, types)
         except ValueError as e:
             raise GraphFileError(f"{where}: {e}") from None
-    return found
 
 
 def tensor_info(value: Any) -> TensorInfo:
@@ -246,13 +253,12 @@ def _open(model: bytes | str, place: serving.Place, where: str) -> Any:
         raise GraphFileError(f"{where}: onnxruntime cannot load it (truncated or corrupt?): {message}") from e
 
 
-def declared_guard(session: Any) -> Guard:
+def _declared_guard(inputs: Sequence[TensorInfo]) -> Guard:
     """The guard of a graph without ours (another tool's): its declared input dtypes and shapes."""
     rules = []
-    for i in session.get_inputs():
-        dtype = serving.DTYPE_NAMES.get(i.type, i.type)
+    for i in inputs:
         shape = tuple(d if isinstance(d, int) else (d or f"{i.name}_dim{a}") for a, d in enumerate(i.shape))
-        rules.append(InputRule(i.name, dtype, shape))
+        rules.append(InputRule(i.name, i.dtype, shape))
     return Guard(tuple(rules))
 
 

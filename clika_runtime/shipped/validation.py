@@ -10,7 +10,6 @@ import logging
 import mmap
 import os
 import zipfile
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -18,9 +17,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 import serving
-from clika_runtime.base.errors import GraphFileError, GraphInputError, PlaceError
-from clika_runtime.format import graphfile, metadata
+from clika_runtime.base.errors import GraphFileError, GraphInputError, PlaceError, first_line
+from clika_runtime.format import graphfile
+from clika_runtime.format.graphfile import existing
 from clika_runtime.guards.guard import Guard
+from clika_runtime.shipped.inspection import what_to_pass
+from clika_runtime.shipped.served import metadata_and_guard, read_session
+from clika_runtime.triton.checker import check_repository, latest_model, read_config
+from clika_runtime.triton.rules import CONFIG_FILE
 from serving import DTYPE_NAMES as ONNX_TYPE_NAMES
 
 logger = logging.getLogger("clika_runtime")
@@ -70,76 +74,6 @@ class Report:
         return {"path": self.path, "passed": self.passed, "checks": [c.__dict__ for c in self.checks]}
 
 
-def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
-    """What a graph holds: inputs/outputs with dtypes and named dims, opset, nodes, size, metadata."""
-    import onnx
-
-    path = Path(path)
-    if path.is_dir():
-        raise GraphFileError(f"{path}: a folder, not a graph file: {_what_to_pass(path, takes_model_folder=False)}")
-    if not path.is_file():
-        raise GraphFileError(f"{path}: no such file")
-    graphfile.check(path)
-    try:
-        model = onnx.load_model(str(path), load_external_data=False)
-    except Exception as e:
-        raise GraphFileError(f"{path}: not a readable ONNX model (truncated or corrupt?): {e}") from e
-
-    def describe(value: Any) -> dict[str, Any]:
-        tensor = value.type.tensor_type
-        dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in tensor.shape.dim]
-        known = tensor.elem_type in onnx.TensorProto.DataType.values()
-        dtype = onnx.TensorProto.DataType.Name(tensor.elem_type) if known else f"unknown type {tensor.elem_type}"
-        return {"name": value.name, "dtype": dtype.lower(), "dims": dims}
-
-    from clika_runtime.shipped.describe import describe_graph
-
-    nodes = list(model.graph.node)
-    data = [path.parent / location for location in _external_files(model)]
-    try:
-        description = describe_graph(model, str(path))
-    except GraphFileError:
-        raise
-    except (KeyError, ValueError) as e:  # a hostile element type has no numpy dtype
-        raise GraphFileError(f"{path}: the graph's inputs or outputs do not parse: {e}") from None
-    return {
-        "capture": {"key": description.key, "guard": description.guard},
-        "path": str(path),
-        "graph_name": model.graph.name,
-        "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
-        "inputs": [describe(v) for v in model.graph.input],
-        "outputs": [describe(v) for v in model.graph.output],
-        "nodes": len(nodes),
-        "ops": dict(Counter(n.op_type for n in nodes).most_common()),
-        "size_bytes": path.stat().st_size + sum(p.stat().st_size for p in set(data) if p.is_file()),
-        "external_data": sorted({str(p.name) for p in data}),
-        "metadata": {p.key: p.value for p in model.metadata_props},
-    }
-
-
-def _external_files(model: Any) -> list[str]:
-    return [e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"]
-
-
-def format_inspection(info: Mapping[str, Any]) -> str:
-    """A readable table of ``inspect_graph``'s result."""
-    lines = [f"graph {info['graph_name']!r}  ({info['path']}, {info['size_bytes']:,} bytes)"]
-    if info["capture"]["key"]:
-        lines.append(f"captured for: {info['capture']['key']}")
-    if info["capture"]["guard"]:
-        lines.append(f"guard: {info['capture']['guard']}")
-    lines.append("opset: " + ", ".join(f"{d} {v}" for d, v in info["opset"].items()))
-    for kind in ("inputs", "outputs"):
-        lines.append(f"{kind}:")
-        for v in info[kind]:
-            lines.append(f"  {v['name']:<28} {v['dtype']:<9} [{', '.join(map(str, v['dims']))}]")
-    lines.append(f"nodes: {info['nodes']}  ops: " + ", ".join(f"{op}×{n}" for op, n in info["ops"].items()))
-    if info["external_data"]:
-        lines.append("external data: " + ", ".join(info["external_data"]))
-    for key, value in info["metadata"].items():
-        lines.append(f"meta {key}: {value if len(value) < 100 else value[:97] + '...'}")
-    return "\n".join(lines)
-
 
 def validate_graph(
     path: str | os.PathLike,
@@ -154,17 +88,15 @@ def validate_graph(
     """Validate a graph file; see the module docstring. Never raises for a bad graph: it reports.
 
     ``path`` may also be a Triton model folder (one holding config.pbtxt): it is checked with
-    ``clika_runtime.triton.check_repository``, then the model file of its highest version is
+    ``clika_runtime.triton.checker.check_repository``, then the model file of its highest version is
     validated. ``dims`` gives sizes per dynamic dim name (default 1, 3, 8 each); an unknown name is
     an error (``ValueError`` listing the graph's dim names). ``reference`` is an ``.npz`` with arrays
     named after graph inputs and outputs: the graph is run on those inputs and compared with those outputs.
     """
     report = Report(str(path))
-    path = Path(path)
-    if not path.exists():
-        raise GraphFileError(f"{path}: no such file")
-    if path.is_dir() and not (path / "config.pbtxt").is_file():
-        raise GraphFileError(f"{path}: a folder without config.pbtxt: {_what_to_pass(path, takes_model_folder=True)}")
+    path = existing(path, folders=True)
+    if path.is_dir() and not (path / CONFIG_FILE).is_file():
+        raise GraphFileError(f"{path}: a folder without config.pbtxt: {what_to_pass(path, takes_model_folder=True)}")
     arrays = _read_reference(reference) if reference is not None else None  # unusable input before any check
     if path.is_dir():
         path = _check_triton_folder(path, report)
@@ -179,7 +111,7 @@ def validate_graph(
         guard = _guard(session, str(path))
         report.add("clika_runtime metadata", True)
     except GraphFileError as e:
-        report.add("clika_runtime metadata", False, _first_line(e))
+        report.add("clika_runtime metadata", False, first_line(e))
         return report
     _run_sizes(session, guard, str(path), dims or {}, np.random.default_rng(seed), report)
     if arrays is not None:
@@ -196,7 +128,7 @@ def _opens_safely(path: Path, report: Report) -> bool:
     except GraphFileError as e:
         if not _is_protobuf(path):
             raise
-        report.add(SAFE_TO_OPEN, False, _first_line(e))
+        report.add(SAFE_TO_OPEN, False, first_line(e))
         return False
     report.add(SAFE_TO_OPEN, True)
     return True
@@ -214,28 +146,6 @@ def _is_protobuf(path: Path) -> bool:
     return True
 
 
-def _what_to_pass(folder: Path, *, takes_model_folder: bool) -> str:
-    """What to give instead of ``folder``: the graph it holds, or, for Triton's layouts, a model's
-    file (``inspect``) or a model folder (``validate``)."""
-    from clika_runtime.triton import repository as triton
-
-    if (folder / triton.CONFIG_FILE).is_file():  # only inspect refuses a model folder
-        model = triton.latest_model(folder)[1]
-        return (f"it is a Triton model folder: pass its model file, {model or folder / '<version>' / triton.MODEL_FILE} "
-                f"(validate takes the folder itself)")
-    models = sorted(p.parent for p in folder.glob(f"*/{triton.CONFIG_FILE}"))
-    if models:
-        if takes_model_folder:
-            return f"it is a Triton model repository: validate one model folder, e.g. {models[0]}"
-        model = triton.latest_model(models[0])[1]
-        return f"it is a Triton model repository: pass a model's file, e.g. {model or models[0]}"
-    graphs = sorted(folder.glob("*.onnx"))
-    if len(graphs) == 1:
-        return f"it holds one graph, pass {graphs[0]}"
-    if graphs:
-        return f"it holds {len(graphs)} graphs, pass one: {', '.join(p.name for p in graphs[:5])}"
-    return "give an .onnx file or a Triton model folder" if takes_model_folder else "give an .onnx file"
-
 
 def _checked_session(path: Path, place: Any, report: Report) -> Any:
     """The full checker, strict shape inference and an onnxruntime session, each reported; the
@@ -246,20 +156,20 @@ def _checked_session(path: Path, place: Any, report: Report) -> Any:
         onnx.checker.check_model(str(path), full_check=True)
         report.add("onnx checker (full)", True)
     except Exception as e:  # the checker raises several types; all mean the same: invalid graph
-        report.add("onnx checker (full)", False, _first_line(e))
+        report.add("onnx checker (full)", False, first_line(e))
         return None
     try:
         model = onnx.load_model(str(path))
         onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
         report.add("strict shape inference", True)
     except Exception as e:
-        report.add("strict shape inference", False, _first_line(e))
+        report.add("strict shape inference", False, first_line(e))
     try:
         session = serving.open_session(str(path), serving.resolve(place))
     except ValueError as e:
         raise PlaceError(str(e)) from e
     except Exception as e:
-        report.add(f"loads in onnxruntime on {place}", False, _first_line(e))
+        report.add(f"loads in onnxruntime on {place}", False, first_line(e))
         return None
     report.add(f"loads in onnxruntime on {place}", True, ", ".join(session.get_providers()))
     return session
@@ -296,16 +206,14 @@ def _run_sizes(session: Any, guard: Guard, where: str, dims: Mapping[str, Sequen
 
 def _check_triton_folder(folder: Path, report: Report) -> Path | None:
     """Report what Triton would refuse in the folder; return its highest version's model file."""
-    from clika_runtime.triton import repository as triton
-
-    problems = triton.check_repository(folder)
+    problems = check_repository(folder)
     for problem in problems:
         report.add("triton model folder", False, problem)
     try:
-        filename = triton.read_config(folder / triton.CONFIG_FILE).model_filename
+        filename = read_config(folder / CONFIG_FILE).model_filename
     except (OSError, ValueError):
         return None  # reported above
-    version, model = triton.latest_model(folder, filename)
+    version, model = latest_model(folder, filename)
     if not problems:
         report.add("triton model folder", True, f"config.pbtxt agrees with version {version}: {model}")
     return model
@@ -314,14 +222,8 @@ def _check_triton_folder(folder: Path, report: Report) -> Path | None:
 def _guard(session: Any, where: str) -> Guard:
     """The graph's shipped guard (checked to describe the graph), or one read from its declared
     input shapes; ``GraphFileError`` for metadata that is malformed or describes another graph."""
-    from clika_runtime.shipped.served import declared_guard, read_session
-
     declared = read_session(session, where)  # names decoded once here: later reads of them succeed
-    found = metadata.read(declared.metadata, where)
-    if found is None:
-        return declared_guard(session)
-    metadata.check_fits(found, declared.inputs, declared.outputs, where)
-    return found.guard if found.guard is not None else declared_guard(session)
+    return metadata_and_guard(declared, where)[1]
 
 
 def _default_sizes(guard: Guard, dim: str) -> list[int]:
@@ -394,7 +296,7 @@ def _run_once(session: Any, feeds: Mapping[str, Any], assignment: Mapping[str, i
     try:
         outs = session.run(None, dict(feeds))
     except Exception as e:
-        return False, _first_line(e)
+        return False, first_line(e)
     problems = []
     for meta, out in zip(session.get_outputs(), outs):
         if np.ndim(out) != len(meta.shape or ()):
@@ -438,7 +340,7 @@ def _kind_of_file(path: Path, error: BaseException) -> str:
     with path.open("rb") as handle:
         head = handle.read(512)
     if head.startswith(b"PK"):
-        return f"a zip that numpy cannot read as arrays ({_first_line(error)})"
+        return f"a zip that numpy cannot read as arrays ({first_line(error)})"
     if not head:
         return "an empty file"
     try:
@@ -461,7 +363,7 @@ def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: 
     try:
         outs = session.run(None, {n: data[n] for n in inputs})
     except Exception as e:  # onnxruntime's types
-        return False, f"the graph does not run on the reference inputs: {_first_line(e)}"
+        return False, f"the graph does not run on the reference inputs: {first_line(e)}"
     compared = []
     for meta, out in zip(session.get_outputs(), outs):
         if meta.name not in data:
@@ -477,10 +379,6 @@ def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: 
         return False, f"reference holds none of the outputs {[o.name for o in session.get_outputs()]}"
     return True, f"compared {compared}"
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__
 
 
 def save_reference(path: str | os.PathLike, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:

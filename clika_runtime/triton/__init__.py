@@ -1,1 +1,1 @@
-"""A graph as a Triton model repository: the writer, the rules it shares with its checker, pbtxt."""
+"""A graph as a Triton model repository: the writer, the rules it shares with the checker, the checker, pbtxt."""
