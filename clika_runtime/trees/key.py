@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import types
+import weakref
 from math import copysign
 from typing import Any, Hashable, NamedTuple, Sequence
 
@@ -28,6 +29,61 @@ class CallKey(NamedTuple):
     statics: tuple  # per static leaf, its value (``static_value``); per lifted number, ``LIFTED[type]``
     tensors: tuple  # per fed tensor: (dtype, rank, device) or (dtype, rank, device, shape)
     training: bool | None  # the owning module's training flag (None: no module)
+
+    # A structure's dict keys compare by ``==``: ``{1: x}``, ``{True: x}`` and ``{1.0: x}`` are one
+    # PyTreeSpec to optree, but not one call to a target that reads the keys (or rebuilds them). Keys
+    # equal as tuples are told apart by the structure's text, compared only when a structure holds a
+    # key that is not a ``str`` (``odd_keys``, once per structure object): the lookup of the usual
+    # call costs one Python ``__eq__`` more than the tuple's.
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not CallKey:
+            return NotImplemented  # type: ignore[return-value]
+        if not tuple.__eq__(self, other):
+            return False
+        a, b = self.structure, other.structure  # type: ignore[attr-defined]
+        return a is b or not odd_keys(a) or str(a) == str(b)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = tuple.__hash__
+
+
+_ODD: dict[int, bool] = {}  # id(structure) -> whether it holds a dict key other than a str
+
+
+def odd_keys(structure: Any) -> bool:
+    """Whether ``structure`` (a PyTreeSpec) holds a dict key that is not exactly a ``str``,
+    remembered for the structure object's life."""
+    ident = id(structure)
+    try:
+        return _ODD[ident]
+    except KeyError:
+        pass
+    odd = _has_odd_keys(structure)
+    try:
+        weakref.finalize(structure, _ODD.pop, ident, None)
+    except TypeError:  # not weak-referenceable: not remembered
+        return odd
+    _ODD[ident] = odd
+    return odd
+
+
+def _has_odd_keys(structure: Any) -> bool:
+    try:
+        pending = [structure]
+        while pending:
+            spec = pending.pop()
+            if spec.is_leaf():
+                continue
+            if spec.type is not None and issubclass(spec.type, dict):
+                if any(type(k) is not str for k in spec.entries()):
+                    return True
+            pending.extend(spec.children())
+        return False
+    except Exception:  # a structure optree cannot walk: its text decides
+        return True
 
 
 class Unkeyable(Exception):
@@ -83,7 +139,7 @@ def _snapshot(value: Any, depth: int) -> Hashable:
     """The value of a mutable object as nested tuples, or ``Unkeyable``."""
     kind = type(value)
     if kind in _PLAIN or isinstance(value, (enum.Enum, *_BY_IDENTITY)):
-        return value
+        return (kind, value)  # with its type: 1, True and an IntEnum of 1 compare equal
     if kind is float:
         return static_value(value)
     if depth == 0:
@@ -93,8 +149,8 @@ def _snapshot(value: Any, depth: int) -> Hashable:
     if isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
         return (kind, tuple(_snapshot(v, depth - 1) for v in _capped(items, kind)))
-    if isinstance(value, dict):
-        return (kind, tuple((k, _snapshot(v, depth - 1)) for k, v in _capped(value.items(), kind)))
+    if isinstance(value, dict):  # keys by type too: {1: ...} and {True: ...} are one dict to ==
+        return (kind, tuple((_snapshot(k, depth - 1), _snapshot(v, depth - 1)) for k, v in _capped(value.items(), kind)))
     if dataclasses.is_dataclass(value):
         fields = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
         return (kind, tuple((k, _snapshot(v, depth - 1)) for k, v in _capped(fields, kind)))
@@ -168,7 +224,7 @@ def _static_text(static: Any) -> str:
 
 def distance(a: CallKey, b: CallKey) -> int:
     """How far two keys are: a new structure is furthest, then each differing part counts one."""
-    if a.structure != b.structure:
+    if a.structure != b.structure or (odd_keys(a.structure) and str(a.structure) != str(b.structure)):
         return 1000
     statics = sum(x != y for x, y in zip(a.statics, b.statics))
     tensors = sum(x != y for x, y in zip(a.tensors, b.tensors))
@@ -189,6 +245,8 @@ def explain(old: Described, new: Described) -> str:
     """Why ``new`` is a different key from ``old``, in words: the first difference found."""
     if old.key.structure != new.key.structure:
         return f"new structure: {_structure_change(old.paths, new.paths)}"
+    if str(old.key.structure) != str(new.key.structure):
+        return f"new structure: dict keys of another type ({old.key.structure} -> {new.key.structure})"
     if old.key.training != new.key.training:
         return f"module training flag changed: {old.key.training} -> {new.key.training}"
     for name, a, b in zip(new.static_names, old.key.statics, new.key.statics):
