@@ -14,7 +14,7 @@ import exporters.graph_edits
 import serving
 from clika_runtime import CaptureError
 from clika_runtime.capture import capture
-from clika_runtime.state import pystate
+from clika_runtime.state import snapshot
 from clika_runtime.trees import pytrees as trees
 
 State = cr.CompiledFunction.State
@@ -91,7 +91,7 @@ def test_graphs_hands_out_every_capture_without_changing_what_is_served():
 
 def test_autocast_is_seen_without_torchs_private_check(monkeypatch):
     monkeypatch.delattr(torch._C, "_is_any_autocast_enabled")
-    check = pystate._autocast_check()
+    check = snapshot._autocast_check()
     assert not check()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert check()

@@ -12,7 +12,8 @@ import torch
 from conftest import Counted
 
 import clika_runtime as cr
-from clika_runtime.state import pystate
+from clika_runtime.state.compare import frozen
+from clika_runtime.state.snapshot import Snapshot
 
 
 class Knobs(torch.nn.Module):
@@ -195,7 +196,7 @@ def _targets() -> list:
 @pytest.mark.parametrize("index", range(5), ids=["one-cell", "two-cells", "global", "module", "method"])
 def test_a_snapshot_taken_now_is_fresh_and_names_no_change(index):
     fn, owner = _targets()[index]
-    snapshot = pystate.Snapshot.of(fn, owner)
+    snapshot = Snapshot.of(fn, owner)
     assert snapshot.parts and snapshot.fresh() and snapshot.changed() == []
 
 
@@ -552,8 +553,8 @@ def test_attributes_too_deep_to_walk_never_reach_the_caller():
 def test_big_nested_containers_are_watched_by_identity_not_copied():
     cube = [[[0] * 64 for _ in range(64)] for _ in range(64)]
     small = {"a": [1, 2], "b": {"c": 3}}
-    assert pystate._frozen(cube) is cube
-    copy = pystate._frozen(small)
+    assert frozen(cube) is cube
+    copy = frozen(small)
     assert copy == small and copy is not small and copy["b"] is not small["b"]
 
 

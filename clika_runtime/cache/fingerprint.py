@@ -32,7 +32,7 @@ from clika_runtime.base.sharing import TARGETS
 from clika_runtime.base.version import VERSION
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.target import Target
-from clika_runtime.state import pystate
+from clika_runtime.state.walk import filled, global_names
 from clika_runtime.state.weights import closure_tensors
 
 # id(tensor) -> (a weak reference to it, its state when hashed, the digest). Not a WeakKeyDictionary:
@@ -234,7 +234,7 @@ def _reached(functions: list[types.FunctionType]) -> tuple[list[types.FunctionTy
             continue
         seen.append(f)
         attributes = _all_names(f.__code__)
-        for n in pystate.global_names(f.__code__):
+        for n in global_names(f.__code__):
             if n not in f.__globals__:
                 continue
             value = named[(f.__module__, n)] = f.__globals__[n]
@@ -303,7 +303,7 @@ def _defaults(fn: types.FunctionType) -> list[tuple[str, Any]]:
 def _closure(fn: types.FunctionType) -> list[tuple[str, Any]]:
     """The variables a function closes over, by name, but empty cells."""
     cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
-    return [(name, cell.cell_contents) for name, cell in cells if pystate.filled(cell)]
+    return [(name, cell.cell_contents) for name, cell in cells if filled(cell)]
 
 
 def _ours(code: Any) -> bool:

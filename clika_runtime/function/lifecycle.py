@@ -37,7 +37,7 @@ from clika_runtime.function.table import (
     CacheTable, State, fallen_back, fresh, with_capture, with_refused, with_replaced, without,
 )
 from clika_runtime.state import weights
-from clika_runtime.state.pystate import Snapshot
+from clika_runtime.state.snapshot import Snapshot
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey, Unkeyable

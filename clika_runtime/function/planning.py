@@ -19,7 +19,7 @@ from clika_runtime.base.errors import SignatureError, SignatureValueError
 from clika_runtime.base.specs import TensorSpec
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge, Options, declared_axes
 from clika_runtime.function.table import CacheTable
-from clika_runtime.state.pystate import autocast_off
+from clika_runtime.state.snapshot import autocast_off
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import Lifted, closest, explain

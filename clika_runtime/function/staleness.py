@@ -15,7 +15,7 @@ from typing import Any, Callable
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.capture.target import Target
 from clika_runtime.function.table import CacheTable, rewatched, without
-from clika_runtime.state import pystate
+from clika_runtime.state.snapshot import Snapshot
 
 Written = frozenset[tuple[str, str]]  # ``Snapshot.moved()`` pairs: (part, key)
 
@@ -33,9 +33,9 @@ def checked(table: CacheTable, target: Target) -> CacheTable:
     return table
 
 
-def snapshot(target: Target, written: Written) -> pystate.Snapshot:
+def snapshot(target: Target, written: Written) -> Snapshot:
     """The Python state the target reads now, but ``written`` (the caller holds ``TARGETS`` shared)."""
-    return pystate.Snapshot.of(target.fn, target.owner, written)
+    return Snapshot.of(target.fn, target.owner, written)
 
 
 def words(written: Written) -> str:

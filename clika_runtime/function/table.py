@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from clika_runtime.capture.plan import Knowledge
-from clika_runtime.state.pystate import Snapshot
+from clika_runtime.state.snapshot import Snapshot
 from clika_runtime.state.weights import Watch
 from clika_runtime.trees.key import CallKey, Described
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from clika_runtime.state import pystate
+from clika_runtime.state.walk import global_names, modules_reached
 
 _version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr
@@ -108,18 +108,13 @@ class Watch:
             unique.setdefault(id(b.tensor), b)
         self.baked = tuple(unique.values())
         versioned = tuple(b.tensor for b in self.baked if b.version is not None)
-        self._versioned = versioned
-        self._versions = sum(b.version for b in self.baked if b.version is not None)
-        self._tensors = tuple(b.tensor for b in self.baked)
-        self._pointers = tuple(b.pointer for b in self.baked)
+        versions = sum(b.version for b in self.baked if b.version is not None)
+        tensors = tuple(b.tensor for b in self.baked)
+        pointers = tuple(b.pointer for b in self.baked)
         rebound = tuple((b.lookup, b.tensor) for b in self.baked if b.rebinds)
         self.fresh: Callable[[], bool] = _fresh_check(
-            versioned, self._versions, self._tensors, self._pointers, _REGISTRATIONS[0], rebound
+            versioned, versions, tensors, pointers, _REGISTRATIONS[0], rebound
         ) if self.baked else _always
-
-    def changed(self) -> list[str]:
-        """The names of the baked tensors that changed (empty: only an unrelated registration)."""
-        return [b.name for b in self.baked if b.changed()]
 
 
 def _always() -> bool:
@@ -184,7 +179,7 @@ def _reached_tensors(target: Any, owner: torch.nn.Module | None) -> dict[tuple, 
     tree (a model in a closure, a global, a partial, an object's attribute, a plain list), by
     memory layout: torch.export bakes them as constants of its own that share their memory."""
     found: dict[tuple, tuple[str, torch.Tensor, Any]] = {}
-    for where, module in pystate.modules_reached(target, owner):
+    for where, module in modules_reached(target, owner):
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             found.setdefault(_layout(tensor), (f"{where}.{name}", tensor, _module_lookup(module, name)))
     return found
@@ -223,7 +218,7 @@ def needing_grad(target: Any, owner: torch.nn.Module | None) -> list[str]:
     """The names of the tensors a call of ``target`` would bake that require grad: its owner's
     parameters, those of the modules it reaches, and closed-over tensors (a learnable scale)."""
     found = [name for name, p in owner.named_parameters() if p.requires_grad] if owner is not None else []
-    for where, module in pystate.modules_reached(target, owner):
+    for where, module in modules_reached(target, owner):
         found += [f"{where}.{name}" for name, p in module.named_parameters() if p.requires_grad]
     return found + [name for name, t in closure_tensors(target) if t.requires_grad]
 
@@ -256,7 +251,7 @@ def _closure_places(target: Any) -> dict[int, tuple[str, Callable[[], Any]]]:
         if isinstance(value, torch.Tensor):
             places[id(value)] = (name, lambda cell=cell: cell.cell_contents)
     namespace = getattr(fn, "__globals__", {})
-    for name in set(pystate.global_names(code)):
+    for name in set(global_names(code)):
         value = namespace.get(name)
         if isinstance(value, torch.Tensor):
             places.setdefault(id(value), (name, lambda name=name: namespace[name]))

@@ -1,0 +1,153 @@
+"""One watched container of a target's Python state (a ``Part``), and how it compares now.
+
+A part holds what its watched entries were at capture, kept by value: containers are copied three
+levels deep when they hold up to ``COPIED`` items in all; past that, kept by identity. Values
+compare by ``==`` (identity first): ``2`` re-assigned as ``2.0`` is no change. ``differences``
+names the entries that moved, ``word`` says one in words, ``reread`` takes the values as they are
+now, ``without`` leaves out the entries a target writes itself.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+COPIED = 64  # containers up to this many items are compared by value, larger ones by identity
+# The private entries of a module's __dict__ that change what a call computes (a hook's flags,
+# "with kwargs" and "always called", are only ever set beside its entry in these).
+MODULE_PRIVATE = ("_modules", "_forward_hooks", "_forward_pre_hooks")
+_contents = operator.attrgetter("cell_contents")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One watched container: what it is called, how its watched values are read, what they were at capture."""
+
+    name: str  # "encoder.layer.0", "config", "the closure of f"
+    container: Any
+    keys: tuple[str, ...]  # the watched entries, in the order ``read`` returns them
+    read: Callable[[Any], Any] | None  # container -> the watched values (one key: its value)
+    values: tuple
+    size: int | None  # len(container) at capture (None: not compared)
+    known: frozenset[str] = frozenset()  # every key the container had at capture (dictionaries)
+    variables: bool = False  # entries are a function's variables ("global 'SCALE'"), not attributes
+    per_call: bool = True  # False: compared only when a counter says it may have moved (submodules, hooks)
+    trigger: bool = False  # only says that the others must be compared (a count of hooks): never a change
+
+
+def dict_part(name: str, state: dict, keys: list[str], *, sized: bool, whole: bool = False) -> Part:
+    """``keys`` of ``state``; ``whole``: their values are dictionaries copied whatever their size
+    (a module's children and hooks: a swap in a 100-layer list must show)."""
+    values = tuple(dict(state[k]) if whole else frozen(state[k]) for k in keys)
+    if not keys:
+        return Part(name, state, (), None, (), len(state) if sized else None, frozenset(state))
+    return Part(name, state, tuple(keys), operator.itemgetter(*keys), values, len(state) if sized else None,
+                frozenset(state))
+
+
+def _cells(cells: tuple) -> tuple:
+    return tuple(map(_contents, cells))
+
+
+def cells_part(cells: tuple, names: tuple[str, ...]) -> Part:
+    """A function's filled closure cells, by their variables' ``names``."""
+    one = len(cells) == 1  # one cell is read alone: a getter of one key gives the value itself
+    return Part("closed-over", cells[0] if one else cells, names, _contents if one else _cells,
+                tuple(frozen(c.cell_contents) for c in cells), None, variables=True)
+
+
+def frozen(value: Any, depth: int = 3) -> Any:
+    """What to keep of ``value``: a copy of a small container, ``depth`` levels down (it may
+    change in place), when it holds at most ``COPIED`` items in all (compared on every call);
+    a tuple only when something in it was copied."""
+    if depth == 0 or not isinstance(value, (dict, list, set, tuple)) or _items(value, depth) > COPIED:
+        return value
+    return _copied(value, depth)
+
+
+def _items(value: Any, depth: int) -> int:
+    """How many items ``value`` holds, ``depth`` levels down (counting stops past ``COPIED``)."""
+    if depth == 0 or not isinstance(value, (dict, list, set, tuple)):
+        return 0
+    total = len(value)
+    for item in value.values() if isinstance(value, dict) else value:
+        if total > COPIED:
+            break
+        total += _items(item, depth - 1)
+    return total
+
+
+def _copied(value: Any, depth: int) -> Any:
+    if depth == 0 or not isinstance(value, (dict, list, set, tuple)):
+        return value
+    if isinstance(value, dict):
+        return {k: _copied(v, depth - 1) for k, v in value.items()}
+    copied = type(value)(_copied(v, depth - 1) for v in value) if type(value) in (list, set, tuple) else value
+    return value if type(value) is tuple and all(a is b for a, b in zip(copied, value)) else copied
+
+
+def differences(part: Part) -> list[str]:
+    """The keys of ``part`` whose values differ, and public keys added since."""
+    if part.trigger:
+        return []
+    try:
+        now = part.read(part.container) if part.read is not None else ()
+        now = (now,) if len(part.keys) == 1 else now  # a getter of one key gives the value itself
+    except Exception:  # an entry deleted, a cell emptied
+        return list(part.keys)
+    found = [key for key, old, new in zip(part.keys, part.values, now) if not _same(old, new)]
+    if part.size is not None and len(part.container) != part.size:
+        found += [key for key in part.container if key not in part.known and not key.startswith("_")]
+    return found
+
+
+def reread(part: Part) -> Part:
+    """``part`` with its values, size and keys as they are now."""
+    now = part.read(part.container) if part.read is not None else ()
+    now = (now,) if len(part.keys) == 1 else tuple(now)
+    whole = bool(part.keys) and all(k in MODULE_PRIVATE for k in part.keys)
+    container = part.container
+    return replace(part, values=tuple(dict(v) if whole else frozen(v) for v in now),
+                   size=len(container) if part.size is not None else None,
+                   known=frozenset(container) if isinstance(container, dict) else part.known)
+
+
+def without(part: Part, skip: frozenset[tuple[str, str]]) -> Part | None:
+    """``part`` without the keys in ``skip``; a part that is not a dictionary is left out whole."""
+    kept = [key for key in part.keys if (part.name, key) not in skip]
+    if len(kept) == len(part.keys):
+        return part
+    if part.read in (_contents, _cells):  # a closure: its other cells stay watched
+        cells = (part.container,) if len(part.keys) == 1 else part.container
+        pairs = [(cell, key) for cell, key in zip(cells, part.keys) if key in kept]
+        return cells_part(tuple(c for c, _ in pairs), tuple(k for _, k in pairs)) if pairs else None
+    if not isinstance(part.container, dict):
+        return None
+    fewer = dict_part(part.name, part.container, kept, sized=part.size is not None,
+                       whole=any(k in MODULE_PRIVATE for k in kept))
+    return replace(fewer, variables=part.variables, per_call=part.per_call)
+
+
+def word(part: Part, key: str) -> str:
+    if part.variables:
+        return f"{part.name} '{key.strip('_')}'"
+    if key in MODULE_PRIVATE:
+        what = "submodules" if key == "_modules" else "forward hooks"
+        return f"{what} of {part.name}" if part.name == "the module" else f"{what} of '{part.name}'"
+    return f"'{key}'" if part.name == "the module" else f"'{part.name}.{key}'"
+
+
+def _same(old: Any, new: Any) -> bool:
+    if old is new:
+        return True
+    if isinstance(old, (dict, list, set, tuple, str, bytes, int, float, complex, bool)) and type(old) is type(new):
+        try:
+            return bool(old == new)
+        except Exception:  # containers holding arrays or tensors: not comparable by value
+            return False
+    return isinstance(new, dict) and isinstance(old, dict) and _dicts_same(old, new)
+
+
+def _dicts_same(old: dict, new: dict) -> bool:
+    return old.keys() == new.keys() and all(_same(old[k], new[k]) for k in old)

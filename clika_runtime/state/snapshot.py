@@ -1,0 +1,143 @@
+"""The Python state a graph baked besides tensors, and the per-call check that it is unchanged.
+
+A trace reads more than tensors: a module's plain attributes (``self.scale``, ``self.config.
+output_hidden_states``), which submodules it holds, its forward hooks and a patched ``forward``;
+a function's closure cells, the globals its code names, its defaults (``walk.py`` says which).
+The graph keeps what they were at capture, so after ``model.config.output_hidden_states = True``,
+``model.act = nn.Tanh()`` or ``SCALE = 5.0`` the graph would answer for the old state. A
+``Snapshot`` records that state when a capture is made; ``fresh()`` compares it on every served
+call; ``changed()`` names what moved, for the re-capture's reason (``compare.py``).
+
+The per-call check is one C-level getter per watched dictionary whose result is compared with
+the snapshot (identity first, so an unchanged object is never compared by value), dictionaries'
+lengths (an added attribute), and torch's count of hook handles ever made (a hook added anywhere).
+Other modules' children are compared when torch's registration counter moves (``weights.py``
+watches it) and hooks when the handle count does (then only they are compared when nothing
+else moved). Autocast is not state but a mode of the call (``autocast_off``): under it calls
+run eagerly.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+
+from clika_runtime.state.compare import Part, differences, reread, without, word
+from clika_runtime.state.walk import parts_read
+
+_call = getattr(operator, "call", None) or (lambda f, x: f(x))  # operator.call: Python 3.11+
+
+
+class Snapshot:
+    """The state of a target at capture. Immutable; ``fresh()`` is the hot path's check."""
+
+    def __init__(self, parts: list[Part], root: torch.nn.Module | None = None) -> None:
+        self.parts = tuple(parts)
+        self.root = root
+        # Captures are keyed by the root's training flag: ``model.train()`` / ``.eval()`` switching
+        # every module at once is not a change of state, one submodule switched alone is.
+        self.uniform = root is not None and _uniform(root)
+        self._own = {id(vars(m)) for m in root.modules()} if root is not None else set()  # the key's modules
+        self.fresh: Callable[[], bool] = self.check(_always, modes=False) if self.parts else _always
+
+    def check(self, weights: Callable[[], bool], modes: bool = True) -> Callable[[], bool]:
+        """The served call's whole check as one closure: ``weights()`` first, then this state, then
+        (``modes``) that no autocast region is active."""
+        return _fresh_check(self.parts, weights, _any_autocast if modes else _never)
+
+    @classmethod
+    def of(cls, fn: Any, owner: torch.nn.Module | None, skip: frozenset[tuple[str, str]] = frozenset()) -> "Snapshot":
+        """The state ``fn`` (whose weights ``owner`` holds, if a module) reads now, but the
+        entries in ``skip`` (``moved()`` pairs: what the target writes itself)."""
+        parts, _ = parts_read(fn, owner)
+        kept = [without(part, skip) for part in parts] if skip else parts
+        return cls([part for part in kept if part is not None], owner)
+
+    def changed(self) -> list[str]:
+        """What differs from the snapshot, in words (empty: nothing a call reads)."""
+        switched = self.uniform and _uniform(self.root)  # a whole-model train()/eval(): the key has it
+        words = [word(part, key) for part in self.parts for key in differences(part)
+                 if not (switched and key == "training" and id(part.container) in self._own)]
+        return list(dict.fromkeys(words))  # a container's children are watched twice: said once
+
+    def retriggered(self) -> "Snapshot | None":
+        """After torch's count of hook handles moved (a hook made anywhere in the process): the
+        same snapshot at the new count when no watched module's hooks or children moved and the
+        rest is as it was; ``None`` when something else may have moved (compare everything)."""
+        if any(differences(p) for p in self.parts if not p.per_call and not p.trigger):
+            return None
+        again = Snapshot([reread(p) if p.trigger else p for p in self.parts], self.root)
+        return again if again.fresh() else None
+
+    def refreshed(self, skip: frozenset[tuple[str, str]] = frozenset()) -> "Snapshot":
+        """The same watch over the values as they are now, but the entries in ``skip``: after
+        ``changed()`` found nothing a call reads (a hook made and removed elsewhere, an equal
+        value re-assigned), or after a capture's eager run wrote ``skip``; without walking the
+        target again."""
+        parts = [reread(part) for part in self.parts]
+        kept = [without(part, skip) for part in parts] if skip else parts
+        return Snapshot([part for part in kept if part is not None], self.root)
+
+    def moved(self) -> frozenset[tuple[str, str]]:
+        """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of
+        the target, what the target writes itself (``self.last_batch = ...``). An entry that was
+        ``None`` is not one: a default the first call fills in (``config.problem_type``) stays
+        watched, for the user's own changes (a target that writes it on every call is found
+        writing it at its next eager call, which re-captures once)."""
+        return frozenset((part.name, key) for part in self.parts for key in differences(part)
+                         if not (key in part.keys and part.values[part.keys.index(key)] is None))
+
+
+def _autocast_check() -> Callable[[], bool]:
+    """One C call; without it (a torch that renamed it), the public check per device type."""
+    private = getattr(torch._C, "_is_any_autocast_enabled", None)
+    return private or (lambda: any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")))
+
+
+_any_autocast = _autocast_check()
+
+
+def autocast_off() -> bool:
+    """No ``torch.autocast`` region is active (graphs are captured at the inputs' own dtypes)."""
+    return not _any_autocast()
+
+
+def _always() -> bool:
+    return True
+
+
+def _never() -> bool:
+    return False
+
+
+def _uniform(root: torch.nn.Module) -> bool:
+    return len({m.training for m in root.modules()}) == 1
+
+
+def _fresh_check(parts: tuple[Part, ...], weights: Callable[[], bool], autocast: Callable[[], bool]) -> Callable[[], bool]:
+    """One closure over plain data: the weights, torch's hook count and default dtype (read
+    inline: the commonest checks, the cheapest way), the lengths, then the watched values, each
+    list compared whole."""
+    from torch.utils.hooks import RemovableHandle
+
+    sized = tuple(p.container for p in parts if p.size is not None)
+    sizes = [p.size for p in parts if p.size is not None]
+    checked = [p for p in parts if p.read is not None and p.per_call]
+    readers = tuple(p.read for p in checked)
+    read_from = tuple(p.container for p in checked)
+    values = [p.values[0] if len(p.keys) == 1 else p.values for p in checked]  # a getter of one key: its value
+    inline = {id(p.container): p.values[0] for p in parts if p.container is RemovableHandle or p.container is torch}
+    handles, made = RemovableHandle, inline.get(id(RemovableHandle), RemovableHandle.next_id)  # as at the snapshot
+    default_dtype, dtype = torch.get_default_dtype, inline.get(id(torch), torch.get_default_dtype())
+
+    def fresh() -> bool:
+        try:
+            return (weights() and handles.next_id == made and default_dtype() is dtype
+                    and list(map(len, sized)) == sizes and list(map(_call, readers, read_from)) == values
+                    and not autocast())
+        except Exception:  # a value whose == cannot answer (an array): the miss path compares carefully
+            return False
+
+    return fresh

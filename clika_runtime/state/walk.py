@@ -1,0 +1,241 @@
+"""What a target reads besides tensors, walked once per snapshot into ``Part``s.
+
+Watched: every module of the owner (its public attributes, ``_modules``, forward hooks; the
+children of ``Sequential`` / ``ModuleList`` / ``ModuleDict`` on every call), the globals its
+``forward`` names, objects those attributes hold that carry attributes of their own (configs,
+private attributes included; two levels), torch's global forward hooks and default dtype; for a
+function, its closure cells, defaults, code and the globals its code loads, a partial's
+arguments, a bound or callable object's attributes; and the modules found among all those, as
+trees (``modules_reached``: ``weights.py`` watches their tensors). Not watched: modules' private
+attributes, class attributes, imported modules' attributes, globals of the functions the target
+calls, loggers and threading objects, grad mode (graphs serve inference; see README).
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import logging
+import operator
+import threading
+import types
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+import torch
+
+from clika_runtime.state.compare import COPIED, MODULE_PRIVATE, Part, cells_part, dict_part, frozen
+
+_DEPTH = 2  # levels of attribute-carrying objects watched below a module
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+_CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+         functools.partial, torch.nn.Module, torch.Tensor)
+_CONTAINERS = (dict, list, tuple, set, frozenset, str, bytes)
+# Loggers and threads' synchronisation objects: their state is not a value a graph is traced with.
+_INERT = (logging.Logger, logging.LoggerAdapter, threading.Event, threading.Condition, threading.Semaphore,
+          threading.Barrier, threading.Thread)
+_CONTAINER_MODULES = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], list[tuple[str, torch.nn.Module]]]:
+    """The parts of the state ``fn`` (whose weights ``owner`` holds, if a module) reads now, and
+    the modules it reaches outside its owner's registered tree (see ``modules_reached``)."""
+    walk = _Walk()
+    parts: list[Part] = []
+    if owner is not None:
+        parts += _module_tree(owner, "", walk)
+        forward = _forward(fn, owner)
+        parts += _globals(forward, walk) if forward is not None else []
+    else:
+        for layer in _unwrapped(fn):
+            parts += _callable(layer, walk)
+    return parts + _global_hooks() + [_default_dtype()], walk.reached
+
+
+def modules_reached(fn: Any, owner: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:
+    """The modules a target reads outside its owner's registered tree, by where it finds them
+    (``model`` in a closure, ``the callable object.model``, ``layers.0`` in a plain list)."""
+    return parts_read(fn, owner)[1]
+
+
+@dataclass
+class _Walk:
+    """What building a snapshot has met: objects already watched, and the modules the target
+    reaches outside its owner's registered tree (their tensors are baked as constants)."""
+
+    seen: set[int] = field(default_factory=set)
+    reached: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+
+
+def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]:
+    """What a value the target reads holds that may change: a module's tree, an object's
+    attributes, and those of the modules and objects in a small container. A value that cannot
+    be walked (its attributes raise) is watched by identity only, where its holder is."""
+    try:
+        if isinstance(value, torch.nn.Module):
+            if id(value) in walk.seen:
+                return []
+            walk.reached.append((name, value))
+            return _module_tree(value, name, walk)
+        if type(value) in (list, tuple, dict) and len(value) <= COPIED:
+            if depth == 0 or id(value) in walk.seen:  # bounded, and a container holding itself ends
+                return []
+            walk.seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            return [part for key, item in items for part in _held(item, f"{name}.{key}", walk, depth - 1)]
+        return _objects(value, name, walk, depth) if _carries_attributes(value) else []
+    except Exception:  # a property that raises, a recursion too deep: not watched
+        return []
+
+
+def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
+    parts = []
+    for name, module in root.named_modules(prefix=prefix):
+        if id(module) in walk.seen:
+            continue
+        walk.seen.add(id(module))
+        state = vars(module)
+        keys = [k for k in state if not k.startswith("_")]
+        where = name or "the module"
+        parts.append(dict_part(where, state, keys, sized=True))
+        parts.append(replace(dict_part(where, state, [k for k in MODULE_PRIVATE if k in state], sized=False,
+                                        whole=True), per_call=False))
+        parts += [_sized(where, state[k]) for k in MODULE_PRIVATE[1:] if state.get(k)]  # a hook removed
+        if isinstance(module, _CONTAINER_MODULES):  # their forward iterates their children: a deletion shows
+            parts.append(dict_part(where, state, ["_modules"], sized=False, whole=True))
+        for key in keys:
+            parts += _held(state[key], f"{where}.{key}" if name else key, walk)
+    return parts
+
+
+def _objects(value: Any, name: str, walk: _Walk, depth: int) -> list[Part]:
+    """An attribute-carrying object (a config) and those it holds, ``depth`` levels down; its
+    private attributes too (transformers keeps ``_attn_implementation`` there)."""
+    if depth == 0 or id(value) in walk.seen:
+        return []
+    walk.seen.add(id(value))
+    state = vars(value)
+    keys = [k for k in state if not k.startswith("__")]
+    if len(keys) > 4 * COPIED:  # not a config: a big object held by reference, watched by identity
+        return []
+    parts = [dict_part(name, state, keys, sized=True)]
+    for key in keys:
+        parts += _held(state[key], f"{name}.{key}", walk, depth - 1)
+    return parts
+
+
+def _unwrapped(fn: Any) -> Iterator[Any]:
+    """``fn`` and the callables it wraps (``functools.wraps``, a wrapper object's ``__wrapped__``,
+    a ``functools.partial``'s function)."""
+    met: set[int] = set()
+    while fn is not None and id(fn) not in met:
+        met.add(id(fn))
+        yield fn
+        fn = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__wrapped__", None)
+
+
+def _callable(fn: Any, walk: _Walk) -> list[Part]:
+    """What one layer of a target that is not a module reads: a function's variables, a
+    partial's arguments, a bound method's object, a callable object's attributes (a wrapper's
+    are its own bookkeeping), a module called through a partial."""
+    if isinstance(fn, torch.nn.Module):
+        return _held(fn, "module", walk)
+    if isinstance(fn, functools.partial):
+        parts = [Part("the partial's", fn, ("args", "keywords"), operator.attrgetter("args", "keywords"),
+                      (frozen(fn.args), frozen(fn.keywords)), None, variables=True)]
+        return parts + _held(fn.args, "argument", walk) + _held(fn.keywords, "keyword", walk)
+    inner = getattr(fn, "__func__", fn)
+    parts = _function(inner, walk) if isinstance(inner, types.FunctionType) else []
+    if inner is not fn:
+        held, name = getattr(fn, "__self__", None), "the bound object"
+    else:
+        held, name = (None if hasattr(fn, "__wrapped__") else fn), "the callable object"
+    if held is not None and not isinstance(held, _CODE + _CONTAINERS) and isinstance(getattr(held, "__dict__", None), dict):
+        parts += _objects(held, name, walk, _DEPTH)
+    return parts
+
+
+def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
+    parts = [Part(f"{fn.__qualname__}'s", fn, ("__defaults__", "__kwdefaults__", "__code__"),
+                  operator.attrgetter("__defaults__", "__kwdefaults__", "__code__"),
+                  (frozen(fn.__defaults__), frozen(fn.__kwdefaults__), fn.__code__), None, variables=True)]
+    cells = tuple(c for c in fn.__closure__ or () if filled(c))
+    names = dict(zip((id(c) for c in fn.__closure__ or ()), fn.__code__.co_freevars))
+    if cells:
+        parts.append(cells_part(cells, tuple(names[id(c)] for c in cells)))
+    for cell in cells:
+        parts += _held(cell.cell_contents, names[id(cell)], walk)
+    return parts + _globals(fn, walk)
+
+
+
+def _globals(fn: types.FunctionType, walk: _Walk) -> list[Part]:
+    """The globals ``fn``'s code names (modules aside: ``torch``, ``F``) and what they hold."""
+    namespace = fn.__globals__
+    read = sorted({k for k in global_names(fn.__code__) if k in namespace and not isinstance(namespace[k], types.ModuleType)})
+    if not read:
+        return []
+    parts = [replace(dict_part("global", namespace, read, sized=False), variables=True)]
+    for name in read:
+        parts += _held(namespace[name], name, walk)
+    return parts
+
+
+def _forward(fn: Any, owner: torch.nn.Module) -> types.FunctionType | None:
+    """The code of a module target's own forward (a bound ``model.forward`` or the class's)."""
+    code = getattr(fn, "__func__", None) if getattr(fn, "__self__", None) is owner else None
+    code = code or getattr(type(owner), "forward", None)
+    return code if isinstance(code, types.FunctionType) else None
+
+
+def _global_hooks() -> list[Part]:
+    """Hooks added anywhere (torch counts their handles), and torch's global forward hooks."""
+    from torch.nn.modules import module
+    from torch.utils.hooks import RemovableHandle
+
+    made = Part("hooks", RemovableHandle, ("next_id",), operator.attrgetter("next_id"),
+                (RemovableHandle.next_id,), None, per_call=False, trigger=True)  # read inline per call
+    namespace = vars(module)
+    hooks = [name for name in _GLOBAL_HOOKS if isinstance(namespace.get(name), dict)]
+    global_hooks = replace(dict_part("torch's", namespace, hooks, sized=False), variables=True, per_call=False)
+    return [made, global_hooks] + [_sized("torch's", namespace[name]) for name in hooks if namespace[name]]
+
+
+def _default_dtype() -> Part:
+    """``torch.set_default_dtype``: what tensors made without a dtype are (``torch.ones(3)``)."""
+    return Part("torch's", torch, ("default dtype",), _get_default_dtype, (torch.get_default_dtype(),), None,
+                variables=True, per_call=False)  # read inline per call
+
+
+def _get_default_dtype(_: Any) -> torch.dtype:
+    return torch.get_default_dtype()
+
+
+def _sized(name: str, hooks: dict) -> Part:
+    """The length of a dictionary of hooks that has some: removing one makes no new handle."""
+    return Part(name, hooks, (), None, (), len(hooks), trigger=True)
+
+
+def global_names(code: types.CodeType) -> Iterator[str]:
+    """The global names a code object (and the functions it defines) loads; not ``co_names``,
+    which also holds attribute names (``self.out`` would watch a global ``out``)."""
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            yield instruction.argval
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from global_names(const)
+
+
+def filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name assigned after the function was made)
+        return False
+    return True
+
+
+def _carries_attributes(value: Any) -> bool:
+    """A plain object with attributes of its own (a config, a namespace), not code or a module."""
+    return value is not None and not isinstance(value, _CODE + _CONTAINERS + _INERT) and not callable(value) \
+        and isinstance(getattr(value, "__dict__", None), dict)
