@@ -7,6 +7,7 @@ mutated an input in place (a graph cannot replay that).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -18,6 +19,7 @@ from clika_runtime.capture.plan import Options
 from clika_runtime.trees.calls import CallForms
 
 _Tensor = torch.Tensor
+_RAISED = threading.local()  # the last exception the target raised in this thread (``target_raised``)
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,17 @@ class Target:
     def eager(self, args: tuple, kwargs: dict) -> Any:
         """The target's own result for the call as made (never under a function's lock)."""
         with TARGETS.shared():
-            return self.fn(*args, **kwargs)
+            try:
+                return self.fn(*args, **kwargs)
+            except BaseException as error:
+                _RAISED.error = error  # the call path's boundary lets it through unchanged
+                raise
 
     def eager_checked(self, feeds: Sequence[Any], names: Sequence[str], args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
         """The eager result, and the names of the fed tensors the call mutated in place."""
-        snapshots = [_snapshot(t) if isinstance(t, _Tensor) else None for t in feeds]
+        before = [_before(t) if isinstance(t, _Tensor) else None for t in feeds]
         out = self.eager(args, kwargs)  # the target's own exceptions reach the caller unchanged
-        return out, [n for n, t, s in zip(names, feeds, snapshots) if s is not None and _mutated(t, s)]
+        return out, [n for n, t, b in zip(names, feeds, before) if b is not None and _mutated(t, b)]
 
     def place_for(self, feeds: Sequence[Any]) -> serving.Place:
         """Where a capture of these feeds runs: the given place, else CUDA for CUDA inputs when
@@ -56,7 +62,14 @@ class Target:
         return serving.with_torch_stream(place)
 
 
-def _snapshot(t: torch.Tensor) -> Any:
+def target_raised(error: BaseException) -> bool:
+    """Whether ``error`` is one the target itself raised in its eager call in this thread (it
+    reaches the caller unchanged; any other is the library's own). Forgets it: no traceback kept."""
+    raised, _RAISED.error = getattr(_RAISED, "error", None), None
+    return raised is error
+
+
+def _before(t: torch.Tensor) -> Any:
     """What to compare after the eager call to tell whether it mutated ``t`` in place."""
     try:
         return t._version
@@ -64,10 +77,10 @@ def _snapshot(t: torch.Tensor) -> Any:
         return t.detach().clone()
 
 
-def _mutated(t: torch.Tensor, snapshot: Any) -> bool:
-    if isinstance(snapshot, int):
-        return t._version != snapshot
-    return t.shape != snapshot.shape or not torch.equal(_bytes(t), _bytes(snapshot))
+def _mutated(t: torch.Tensor, before: Any) -> bool:
+    if isinstance(before, int):
+        return t._version != before
+    return t.shape != before.shape or not torch.equal(_bytes(t), _bytes(before))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

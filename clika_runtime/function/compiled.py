@@ -121,7 +121,7 @@ class CompiledFunction(Generic[P, R]):
         self._lifecycle = lifecycle.Lifecycle(wrapped, threading.RLock())
         self._forms = wrapped.forms
         self._owner = owner
-        self._shapes_in_key = dynamic is False
+        self._shapes_in_key = wrapped.options.shapes_in_key
         self.__wrapped__ = target
         self.__name__ = wrapped.name
         self.__doc__ = getattr(target, "__doc__", None)
@@ -130,22 +130,25 @@ class CompiledFunction(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         table = self._lifecycle.table
-        if table.state is _COMPILED and table.fresh():  # a graph may serve, and its weights are current
-            if kwargs:
-                args_, kwargs_ = self._forms(args, kwargs)
-            else:
-                args_, kwargs_ = args, kwargs
-            flat = table.flat
-            if flat is not None and not kwargs_:
-                out = flat(args_)
+        try:  # (free until something raises)
+            if table.state is _COMPILED and table.fresh():  # a graph may serve, and its weights are current
+                if kwargs:
+                    args_, kwargs_ = self._forms(args, kwargs)
+                else:
+                    args_, kwargs_ = args, kwargs
+                flat = table.flat
+                if flat is not None and not kwargs_:
+                    out = flat(args_)
+                    if out is not _MISS:
+                        return out
+                out = _general(table, args_, kwargs_, self._shapes_in_key, self._owner)
                 if out is not _MISS:
                     return out
-            try:
-                out = _general(table, args_, kwargs_, self._shapes_in_key, self._owner)
-            except RunFailed as failed:
-                return self._lifecycle.run_failed(failed, args, kwargs)
-            if out is not _MISS:
-                return out
+        except RunFailed as failed:
+            return self._lifecycle.run_failed(failed, args, kwargs)
+        except Exception as error:  # the library's own (the target does not run here): served eagerly
+            return self._lifecycle.internal_error(error, "serving this call",
+                                                  lambda: self._lifecycle.target.eager(args, kwargs))
         table = flat = None  # a re-capture may supersede its captures: their memory goes with it, not later
         return self._lifecycle.miss(args, kwargs)
 

@@ -10,24 +10,26 @@ capture that finishes for an older generation is dropped, never installed.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
+import traceback
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
 from clika_runtime.base import memory
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, VerificationError
+from clika_runtime.base.errors import CaptureError, ClikaError, VerificationError
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
 from clika_runtime.capture import hints
 from clika_runtime.capture.capture import Capture
 from clika_runtime.capture.closures import RunFailed
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
-from clika_runtime.capture.target import Target
+from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.capture.verify import first_mismatch
 from clika_runtime.function import degrade, staleness
 from clika_runtime.function.planning import (
@@ -68,13 +70,44 @@ class Lifecycle:
     # ---------------------------------------------------------------------------------- the miss
 
     def miss(self, args: tuple, kwargs: dict) -> Any:
-        """Serve a call no hit served: plan under the lock, act outside it."""
+        """Serve a call no hit served: plan under the lock, act outside it. The target's own
+        exceptions reach the caller unchanged; one of the library's own ends in the eager result
+        (``internal_error``), and the target never runs twice for one call."""
         if TARGETS.exclusive_here():  # called inside an export in this thread: be traced through
             return self.target.fn(*args, **kwargs)
+        progress = _Progress()
+        try:
+            return self._miss(args, kwargs, progress)
+        except Exception as error:
+            if target_raised(error) or isinstance(error, ClikaError):  # a signature error, fullgraph's refusal
+                raise
+            doing = "capturing this call" if progress.ran else "planning this call"
+            result = (lambda: progress.out) if progress.ran else (lambda: self.target.eager(args, kwargs))
+            return self.internal_error(error, doing, result, progress.call)
+
+    def internal_error(self, error: Exception, doing: str, result: Callable[[], Any], call: Call | None = None) -> Any:
+        """An exception of the library's own code (a bug): the call is served eagerly, with a
+        warning that names what failed, once; its key (when known) serves eagerly from now on.
+        ``fullgraph=True`` raises ``CaptureError`` with the cause chained."""
+        name = self.target.name
+        where = _innermost(error)
+        why = (f"clika_runtime failed {doing} ({type(error).__name__}: {hints.first_line(error)}, in {where}); "
+               "this is a bug in clika_runtime: please report it with this message")
+        if self.target.fullgraph:
+            raise CaptureError(f"{name}: {why}") from error
+        logger.debug("%s: %s", name, why, exc_info=error)
+        if call is not None:
+            with self.lock:
+                self.table = with_refused(self.table, call.key, call.described.words(), why)
+        self._eager_because(f"{why}; served eagerly")
+        return result()
+
+    def _miss(self, args: tuple, kwargs: dict, progress: "_Progress") -> Any:
         if self.table.last is None and self.table.state is State.Pending:
             self._recall()
         with self.lock:
             decision, call, generation = self._decide(args, kwargs)
+        progress.call = call
         if isinstance(decision, Serve):
             return self._serve(decision.capture, call, args, kwargs)
         if isinstance(decision, Eager):
@@ -85,8 +118,8 @@ class Lifecycle:
         token = (generation, plan.call.key)
         try:
             if isinstance(decision, Verify):
-                return self._verify(decision, args, kwargs, generation)
-            return self._capture(decision, args, kwargs, generation)
+                return self._verify(decision, args, kwargs, generation, progress)
+            return self._capture(decision, args, kwargs, generation, progress)
         finally:
             with self.lock:
                 self._inflight.discard(token)
@@ -144,13 +177,15 @@ class Lifecycle:
 
     # ------------------------------------------------------------------------------ capturing
 
-    def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, eager: Any = None) -> Any:
+    def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, progress: "_Progress",
+                 eager: Any = None) -> Any:
         """Capture ``plan`` from its call (``eager``: its result when already in hand, as a 1-tuple)."""
         with TARGETS.shared():
             before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
         ahead = restore.ahead(self.target, plan)  # the disk cache looked up beside the eager call
         if eager is None:
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
+            progress.ran, progress.out = True, out
             if mutated:
                 return self._refuse(plan.call, _mutation(mutated), generation, lambda: out)
         else:
@@ -203,10 +238,11 @@ class Lifecycle:
                                   knowledge=knowledge, notes=attempt.notes, limit=config.cache_size, snapshot=snapshot)
         return knowledge if knowledge.learned != table.knowledge.learned else None
 
-    def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int) -> Any:
+    def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int, progress: "_Progress") -> Any:
         """Sizes the graph was not traced for: keep it for them if it agrees with eager there."""
         plan, capture = decision.otherwise, decision.capture
         out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
+        progress.ran, progress.out = True, out
         if mutated:
             return self._refuse(plan.call, _mutation(mutated), generation, lambda: out)
         if _blank(plan.call.feeds):  # zeros agree with either side of a branch: wait for a call that tells
@@ -224,7 +260,7 @@ class Lifecycle:
         plan = CapturePlan(plan.call, plan.dynamic, plan.declared,
                            f"{plan.reason}; the graph disagrees with eager there ({problem})", variant=True,
                            untied=plan.untied)
-        return self._capture(plan, args, kwargs, generation, eager=(out,))
+        return self._capture(plan, args, kwargs, generation, progress, eager=(out,))
 
     # ------------------------------------------------------------------------------- giving up
 
@@ -269,6 +305,28 @@ class Lifecycle:
             self._warned.add(why)
             logger.info("%s: %s", self.target.name, why)
             warnings.warn(f"clika_runtime: {self.target.name}: {why}", stacklevel=_user_level())
+
+
+@dataclass
+class _Progress:
+    """How far one miss got, for its boundary: the call it planned, and the eager result once
+    the target ran (an error after that returns it: the target never runs twice for one call)."""
+
+    call: Call | None = None
+    ran: bool = False
+    out: Any = None
+
+
+_OURS = tuple(f"{os.sep}{top}{os.sep}" for top in ("clika_runtime", "exporters", "serving"))
+
+
+def _innermost(error: BaseException) -> str:
+    """Where in the library an exception was raised: its innermost frame in our code."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        marks = [m for m in _OURS if m in frame.filename]
+        if marks:
+            return f"{frame.filename[frame.filename.rindex(marks[0]) + 1:]}:{frame.lineno} {frame.name}"
+    return "an unknown place"
 
 
 def _covers(new: Capture, old: Capture) -> bool:
