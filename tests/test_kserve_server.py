@@ -248,7 +248,8 @@ def test_unknown_models_paths_and_methods_get_v2_errors(server):
 def test_the_replica_code_path_never_imports_torch(shipped):
     _, path = shipped
     script = textwrap.dedent(f"""
-        import sys
+        import logging, sys
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
         from clika_runtime.kserve import deployment
         replica = deployment.KServeModel.func_or_class({str(path)!r}, "scorer", "cpu", 1, 5.0, 2**20)
         print(replica.describe())
@@ -258,6 +259,7 @@ def test_the_replica_code_path_never_imports_torch(shipped):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["not batching: at most 1 row per run; the graph could batch on dim 'x_dim0'",
                                           "False"]
+    assert re.search(r"model 'scorer': warm-up run in [0-9.]+ ms", result.stderr), result.stderr  # before any request
 
 
 def test_the_serve_command_serves_until_interrupted(shipped):
@@ -297,3 +299,137 @@ def _wait_for_line(process: subprocess.Popen, prefix: str, timeout: float) -> st
         if not line and process.poll() is not None:
             pytest.fail(f"clika-runtime serve exited with {process.returncode} before serving")
     pytest.fail(f"clika-runtime serve did not print {prefix!r} within {timeout} s")
+
+
+# -- stopping `clika-runtime serve` at any moment (issue 25, item 4) ---------------------------------
+
+_MARK = "CLIKA_RUNTIME_TEST_SERVE"  # inherited by every process the server starts, Ray's included
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    """The live processes whose environment carries ``mark``: the server and all it started, even
+    those re-parented to init after their parent died."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(_MARK) == mark and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def _start_serve(path: Path, port: int, mark: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "clika_runtime", "serve", str(path), "--name", "stop", "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env[_MARK] = mark
+    # Its own process group, so that a Ctrl-C can be sent as a terminal sends it: to the whole group.
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _get_status(port: int, path: str) -> int | None:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    except OSError:
+        return None
+    finally:
+        connection.close()
+
+
+def _wait_ready(process: subprocess.Popen, port: int, timeout: float = 180) -> None:
+    """Poll ``/v2/health/ready`` until it first answers 200 (bounded by ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"clika-runtime serve exited with {process.returncode} before ready: "
+                        f"{process.stderr.read().decode(errors='replace')[-3000:]}")
+        if _get_status(port, "/v2/health/ready") == 200:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"/v2/health/ready did not answer 200 within {timeout} s")
+
+
+def _stop_and_check(process: subprocess.Popen, mark: str, send) -> None:
+    """Stop the server with ``send()``; it must exit 0 within 10 s and leave no process behind."""
+    started = time.monotonic()
+    send()
+    try:
+        code = process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("clika-runtime serve did not exit within 60 s of the signal")
+    took = time.monotonic() - started
+    stderr = process.stderr.read().decode(errors="replace")
+    left = _marked(mark)
+    _, alive = psutil.wait_procs(left, timeout=3)  # a process already on its way out
+    left_names = [f"{p.pid} {' '.join(p.cmdline())[:80]}" for p in alive if p.is_running()]
+    assert code == 0, f"exit code {code}: {stderr[-3000:]}"
+    assert took < 10, f"{took:.1f} s to stop: {stderr[-3000:]}"
+    assert not left_names, f"processes left behind: {left_names}"
+    assert "Traceback" not in stderr and "Controller failed to shut down" not in stderr, stderr[-3000:]
+    print(f"stopped in {took:.2f} s")
+
+
+@pytest.fixture
+def serve_process(shipped):
+    """A ``clika-runtime serve`` subprocess, its port and its mark; whatever survives the test is killed."""
+    _, path = shipped
+    port, mark = _free_port(), f"{os.getpid()}-{time.monotonic_ns()}"
+    process = _start_serve(path, port, mark)
+    try:
+        yield process, port, mark
+    finally:
+        for p in _marked(mark):  # only the processes this test started carry the mark
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_sigterm_right_after_ready_exits_0_quickly_and_leaves_nothing(serve_process):
+    process, port, mark = serve_process
+    _wait_ready(process, port)
+    _stop_and_check(process, mark, lambda: process.send_signal(signal.SIGTERM))
+
+
+def test_ctrl_c_right_after_ready_exits_0_quickly_and_leaves_nothing(serve_process):
+    process, port, mark = serve_process
+    _wait_ready(process, port)
+    # A terminal's Ctrl-C: SIGINT to the foreground process group, Ray's processes included.
+    _stop_and_check(process, mark, lambda: os.killpg(process.pid, signal.SIGINT))
+
+
+def test_sigint_right_after_ready_exits_0_quickly_and_leaves_nothing(serve_process):
+    process, port, mark = serve_process
+    _wait_ready(process, port)
+    _stop_and_check(process, mark, lambda: process.send_signal(signal.SIGINT))
+
+
+def test_ready_serves_at_once_and_sigterm_after_a_burst_stops_quickly(serve_process, shipped):
+    model, _ = shipped
+    process, port, mark = serve_process
+    _wait_ready(process, port)
+    # Ready means ready: the requests sent the moment it first answers 200 are served.
+    examples = [_example(1 + i % 3, seed=600 + i) for i in range(48)]
+    with triton.InferenceServerClient(f"127.0.0.1:{port}", concurrency=16, connection_timeout=30,
+                                      network_timeout=30) as client:
+        pending = [client.async_infer("stop", _inputs(x, ids)) for x, ids in examples]
+        for (x, ids), request in zip(examples, pending):
+            with torch.no_grad():
+                expected = {k: v.numpy() for k, v in model(torch.from_numpy(x), torch.from_numpy(ids)).items()}
+            _assert_matches(request.get_result(timeout=60), expected)
+    _stop_and_check(process, mark, lambda: process.send_signal(signal.SIGTERM))
+
+
+def test_sigterm_during_startup_exits_0_quickly_and_leaves_nothing(serve_process):
+    process, port, mark = serve_process
+    time.sleep(3)  # Ray starting: before the handler in the old code, during ray.init
+    assert process.poll() is None
+    _stop_and_check(process, mark, lambda: process.send_signal(signal.SIGTERM))

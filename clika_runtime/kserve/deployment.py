@@ -10,13 +10,15 @@ replica keeps reading requests (and forming the next batch) meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
+import numpy as np
 import ray
 from ray import serve
 from ray.serve import Application
@@ -31,6 +33,9 @@ from clika_runtime.shipped.served import load
 logger = logging.getLogger("clika_runtime")
 
 _MIB = 2**20
+_DRAIN_S = 3.0  # how long a stopping replica lets the requests it is running finish
+_SHUTDOWN_S = _DRAIN_S + 2.0  # how long Serve has to stop its replicas and proxy before Ray is shut down anyway
+_REAP_S = 0.5  # how long what Ray started has to exit once Ray is shut down, then after a SIGTERM, before a SIGKILL
 
 
 @serve.deployment
@@ -49,6 +54,9 @@ class KServeModel:
         self._stacked.set_max_batch_size(self._plan.max_rows)
         self._stacked.set_batch_wait_timeout_s(batch_wait_ms / 1000)
         logger.log(logging.INFO if self._plan.stacks else logging.WARNING, "model %r: %s", name, self._plan.sentence)
+        # Ready means ready: Ray Serve routes no request here (ready included) before this returns,
+        # so the first request finds a session that has already run (and paid its first run).
+        _warm_up(self._graph, name)
 
     def describe(self) -> str:
         """Whether this replica batches, and why (printed by ``clika-runtime serve`` at startup)."""
@@ -122,6 +130,26 @@ class KServeModel:
         return outcomes
 
 
+def _warm_up(graph: Any, name: str) -> None:
+    """One run of the graph on zeros at its capture's example sizes (lifted numbers at their
+    example value); a graph that refuses them is only logged: requests are its judge."""
+    example = dict(graph.guard.example)
+    feeds = {}
+    for rule in graph.guard.inputs:
+        if rule.shape is None:  # a lifted Python number
+            feeds[rule.name] = np.asarray(example.get(f"#{rule.name}", 0), dtype=np.int64)
+            continue
+        shape = [d if isinstance(d, int) else example.get(d, 1) for d in rule.shape]
+        feeds[rule.name] = np.zeros(shape, dtype=rule.dtype)  # the protocol took it
+    started = time.perf_counter()
+    try:
+        graph.run(feeds)
+    except Exception as e:  # zeros the graph refuses or fails on: requests will say more
+        logger.warning("model %r: the warm-up run on zeros failed: %s", name, e)
+        return
+    logger.info("model %r: warm-up run in %.1f ms", name, (time.perf_counter() - started) * 1000)
+
+
 def _error(status: int, message: str) -> Response:
     return Response(routes.error_body(message), status_code=status, media_type="application/json")
 
@@ -159,6 +187,10 @@ def app(
         ray_actor_options=_resources(place),
         # Requests waiting in the batch queue count as ongoing: leave room for several batches.
         max_ongoing_requests=max(64, 4 * max_batch_size),
+        # On a stop, a replica checks for requests still running every wait loop (Serve's default:
+        # 2 s, so a stop took 2 s even when idle), and gives them up to the timeout to finish.
+        graceful_shutdown_wait_loop_s=0.1,
+        graceful_shutdown_timeout_s=_DRAIN_S,
     )
     return deployment.bind(str(path), name, place, max_batch_size, batch_wait_ms, int(max_request_mb * _MIB))
 
@@ -197,8 +229,9 @@ def run(
     """Serve the graph at ``path`` on ``http://host:port`` until SIGINT or SIGTERM (``clika-runtime serve``).
 
     Joins the Ray cluster named by ``RAY_ADDRESS``; without it, starts a local Ray of its own (never
-    one that someone else started on this machine). On stop, removes the application, and shuts
-    down Serve and Ray when it started them.
+    one that someone else started on this machine). A stop at any moment, starting included, removes
+    the application and shuts down Serve and Ray when it started them, within a few seconds, leaving
+    no process behind; the function then returns normally.
     """
     application = app(
         path, name=name, place=place, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
@@ -206,33 +239,147 @@ def run(
     )
     name = _model_name(path, name)
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    ray.init(address=None if joined else "local")
+    stop = _Stop()
+    stop.install()  # before Ray starts: a stop while it starts is a stop, not Ray's abort
+    deployed = False
     try:
+        with _ray_keeps_our_handlers():
+            ray.init(address=None if joined else "local")
+        stop.install()  # again: the core worker's C handler, if Ray installed one anyway
         serve.start(http_options={"host": host, "port": port})
         try:
+            deployed = True
             handle = serve.run(application, name=name, route_prefix="/")
         except RuntimeError as e:  # Ray's words for a replica that failed to start; its error is logged above
             raise ServeError(f"model {name!r} did not start: {e} (the replica's error is in the log above)") from None
         print(f"serving model {name!r} at http://{host}:{port}/v2/models/{name}: {handle.describe.remote().result()}",
               flush=True)
-        _wait_for_stop()
-    finally:
-        if joined:
-            serve.delete(name)
-        else:
-            serve.shutdown()
-        ray.shutdown()
-
-
-def _wait_for_stop() -> None:
-    """Block until Ctrl-C or SIGTERM (a process manager stopping the server)."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        while True:
-            signal.pause()
+        stop.wait()
     except KeyboardInterrupt:
         pass
+    finally:
+        stop.ignore()  # a second Ctrl-C must not cut the shutdown short and leave processes behind
+        try:
+            _shut_down(name, joined, deployed)
+        finally:
+            stop.restore()
+
+
+def _shut_down(name: str, joined: bool, deployed: bool) -> None:
+    """Remove the application; on a Ray of our own, stop Serve (bounded) and Ray with all its processes."""
+    if ray.is_initialized():
+        try:
+            if joined:
+                if deployed:
+                    serve.delete(name)
+            else:
+                _stop_serve(_SHUTDOWN_S)
+        except Exception as e:  # Serve half started or already gone: Ray's shutdown below still runs
+            logger.warning("stopping Ray Serve: %s: %s", type(e).__name__, e)
+    started = _descendants()
+    ray.shutdown()  # kills the processes this process started (none when it joined a cluster)
+    _reap(started, _REAP_S)
+
+
+def _descendants() -> list[Any]:
+    """This process's descendants (Ray's daemons, workers, the dashboard's forkserver), by psutil."""
+    try:
+        import psutil  # Ray ships it (ray/thirdparty_files) and puts it on the path
+    except ImportError:
+        return []
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _reap(processes: list[Any], timeout_s: float) -> None:
+    """Give ``processes`` ``timeout_s`` to exit, then a SIGTERM and as long again, then a SIGKILL.
+
+    ``ray.shutdown`` kills the daemons it recorded; the dashboard's modules (children of its
+    multiprocessing forkserver) outlive it by 2-3 s, and a stop during startup orphans the
+    forkserver and its resource tracker for good."""
+    if not processes:
+        return
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for signal_name, method in (("SIGTERM", "terminate"), ("SIGKILL", "kill")):
+        for process in alive:
+            try:
+                logger.debug("%s to %s (pid %d), left by Ray", signal_name, process.name(), process.pid)
+                getattr(process, method)()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=timeout_s)
+        if not alive:
+            return
+
+
+def _stop_serve(timeout_s: float) -> None:
+    """``serve.shutdown()``, waiting at most ``timeout_s`` for the controller (Serve's own wait is 30 s)."""
+    from ray.serve import context
+
+    client = getattr(context, "_global_client", None)
+    if client is None or not hasattr(client, "shutdown"):
+        serve.shutdown()
+        return
+    client.shutdown(timeout_s=timeout_s)
+    context._disconnect()
+
+
+class _Stop:
+    """SIGINT and SIGTERM as ``KeyboardInterrupt`` in the main thread, then ignored while stopping."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._previous = {s: signal.getsignal(s) for s in self._SIGNALS}
+
+    def install(self) -> None:
+        for s in self._SIGNALS:
+            signal.signal(s, _interrupt)
+
+    def ignore(self) -> None:
+        for s in self._SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+    @staticmethod
+    def wait() -> None:
+        """Block until a signal interrupts."""
+        while True:
+            signal.pause()
 
 
 def _interrupt(signum: int, frame: Any) -> NoReturn:
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _ray_keeps_our_handlers() -> Iterator[None]:
+    """Keep Ray from replacing the SIGTERM handler while ``ray.init`` runs.
+
+    ``ray.init`` installs handlers of its own for SIGTERM (``sys.exit``, then one that drains the
+    node for up to 30 s and exits 1), and the driver's core worker installs a C handler that
+    aborts with a stack dump: a SIGTERM during startup then ended the server with -6 and left
+    Ray's agents running. Ours stays instead (the processes Ray started are killed by
+    ``ray.shutdown``, or by Ray's atexit hook when the stop comes mid-``ray.init``).
+    """
+    from ray._private import utils
+
+    setter = getattr(utils, "set_sigterm_handler", None)
+    had = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER" in os.environ
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    if setter is not None:
+        utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        if setter is not None:
+            utils.set_sigterm_handler = setter
+        if not had:
+            os.environ.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
