@@ -105,10 +105,10 @@ def test_trap_sdpa_with_a_fully_masked_boolean_row_returns_zeros():
 def test_the_served_graph_is_fused_and_the_graph_handed_out_is_portable(fused_bert, tmp_path):
     _, f = fused_bert
     folder = current(f).folder
-    fused = onnx.load(str(folder.path / GraphFolder.SERVED), load_external_data=False)
+    fused = onnx.load(str(folder.path / GraphFolder.FUSED), load_external_data=False)
     domains = {node.domain for node in fused.graph.node}
     assert "com.microsoft" in domains, domains
-    assert folder.served == folder.path / GraphFolder.SERVED
+    assert folder.opened == folder.path / GraphFolder.FUSED
     shipped = onnx.load(str(f.take_graph().save(tmp_path / "bert.onnx")))
     assert {node.domain for node in shipped.graph.node} <= {"", "ai.onnx"}
 
@@ -118,7 +118,7 @@ def test_graphs_without_a_fusion_are_served_from_their_portable_file():
     with torch.no_grad():
         f(torch.randn(2, 4))
     folder = current(f).folder
-    assert folder.served == folder.model and not (folder.path / GraphFolder.SERVED).exists()
+    assert folder.opened == folder.model and not (folder.path / GraphFolder.FUSED).exists()
 
 
 def test_optimize_false_serves_the_graph_as_exported():
@@ -126,7 +126,7 @@ def test_optimize_false_serves_the_graph_as_exported():
     f = cr.compile(model, optimize=False)
     _served_like_eager(model, f, _text(2, 8))
     folder = current(f).folder
-    assert folder.served == folder.model
+    assert folder.opened == folder.model
 
 
 def test_a_fused_graph_onnxruntime_refuses_falls_back_to_the_portable_one(tmp_path):
@@ -135,13 +135,13 @@ def test_a_fused_graph_onnxruntime_refuses_falls_back_to_the_portable_one(tmp_pa
     linear = torch.nn.Linear(4, 3).eval()
     proto = onnx.load_from_string(_exported(linear))
     folder = GraphFolder.write(proto, tmp_path)
-    (folder.path / GraphFolder.SERVED).write_bytes(b"not a model")
-    assert folder.served != folder.model
+    (folder.path / GraphFolder.FUSED).write_bytes(b"not a model")
+    assert folder.opened != folder.model
     session = capture.open_served(folder, serving.resolve("cpu"), optimize=True, keep_optimized=False)
     x = torch.randn(2, 4)
     (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     torch.testing.assert_close(torch.from_numpy(out), linear(x).detach())
-    assert folder.served == folder.model and not (folder.path / GraphFolder.SERVED).exists()
+    assert folder.opened == folder.model and not (folder.path / GraphFolder.FUSED).exists()
 
 
 def _exported(module: torch.nn.Module) -> bytes:
@@ -168,10 +168,10 @@ def _graph(slow: bool) -> onnx.ModelProto:
 @pytest.mark.parametrize("fused_is_slow", [True, False])
 def test_a_small_graph_keeps_its_fused_file_only_when_it_runs_faster(tmp_path, fused_is_slow):
     folder = GraphFolder.write(_graph(slow=not fused_is_slow), tmp_path)
-    onnx.save(_graph(slow=fused_is_slow), str(folder.path / GraphFolder.SERVED))
+    onnx.save(_graph(slow=fused_is_slow), str(folder.path / GraphFolder.FUSED))
     x = torch.rand(256, 256, generator=torch.Generator().manual_seed(0))
     fusing.keep_if_faster(folder, serving.resolve("cpu"), ["x"], [x], threads=1)
-    assert (folder.served == folder.model) is fused_is_slow
+    assert (folder.opened == folder.model) is fused_is_slow
 
 
 def test_trap_sdpa_with_a_row_of_minus_infinity_in_a_float_mask_returns_zeros():

@@ -22,14 +22,13 @@ from clika_runtime.cache import diskcache, fingerprint
 from clika_runtime.capture import capture as capture_mod
 from clika_runtime.capture.plan import CapturePlan, Knowledge, declared_axes
 from clika_runtime.capture.target import Target
-from clika_runtime.format import graphfile
+from clika_runtime.format import graphfile, treedesc
 from clika_runtime.guards import json_form as guards
 from clika_runtime.shipped.graph import GraphFolder
 from clika_runtime.state.weights import found_again
 from clika_runtime.trees import pytrees as trees
 
 logger = logging.getLogger("clika_runtime")
-_SCALARS = {"int": int, "float": float, "bool": bool}
 
 
 @dataclass(frozen=True)
@@ -168,7 +167,7 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
     made = capture_mod.Made(
         plan=used, eager_out=out, folder=folder, guard=guard, graph_leaves=graph_leaves,
         constants={i: leaf for i, leaf in enumerate(leaves) if i not in graph_leaves},
-        scalar_out={int(p): _SCALARS[t] for p, t in meta["scalar_out"].items()},
+        scalar_out={int(p): treedesc.SCALAR_TYPES[t] for p, t in meta["scalar_out"].items()},
         names=capture_mod.output_names_of(out, leaves, target.output_names),
         baked=tuple(baked), outputs=tuple(TensorInfo(n, d, tuple(s)) for n, d, s in meta["outputs"]), phases={},
     )

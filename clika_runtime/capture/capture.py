@@ -20,7 +20,7 @@ import torch
 import exporters
 import serving
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, UncapturableError, VerificationError
+from clika_runtime.base.errors import CaptureError, UncapturableError, VerificationError, first_line
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.base.version import VERSION
 from clika_runtime.capture import closures, fusing, hints
@@ -115,7 +115,7 @@ def build(
     except CaptureError:
         raise
     except Exception as e:  # anything else on the way is a capture failure too, never a lost call
-        raise CaptureError(f"{type(e).__name__} while capturing: {hints.first_line(e)}") from e
+        raise CaptureError(f"{type(e).__name__} while capturing: {first_line(e)}") from e
 
 
 def _build(
@@ -218,7 +218,7 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
 
 
 def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
-    """The session of the file a folder serves (``GraphFolder.served``); ``CaptureError`` when
+    """The session of the file a folder serves (``GraphFolder.opened``); ``CaptureError`` when
     onnxruntime takes neither the fused nor the portable graph."""
     optimized = folder.optimized(serving.machine_tag(place))
     threads = config.session_threads()
@@ -230,15 +230,15 @@ def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: b
         if keep_optimized and optimize and optimized.is_file():
             return opened(optimized, None)
         keep = str(optimized) if keep_optimized and optimize else None
-        if folder.served != folder.model:
+        if folder.opened != folder.model:
             try:
-                return opened(folder.served, optimize, keep)
+                return opened(folder.opened, optimize, keep)
             except Exception as e:  # the rewriter's graph is not one onnxruntime takes: serve the portable one
-                logger.debug("onnxruntime refused the fused graph, serving the portable one: %s", hints.first_line(e))
+                logger.debug("onnxruntime refused the fused graph, serving the portable one: %s", first_line(e))
                 folder.drop_fused()
         return opened(folder.model, optimize, keep)
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
-        raise CaptureError(f"onnxruntime could not load the exported graph: {hints.first_line(e)}") from e
+        raise CaptureError(f"onnxruntime could not load the exported graph: {first_line(e)}") from e
 
 
 def examples(feeds: Sequence[Any]) -> tuple[Example, ...]:
@@ -393,7 +393,7 @@ def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: 
     try:
         served = capture.run(feeds)
     except Exception as e:  # onnxruntime failed on the very inputs the graph was exported from
-        raise VerificationError(f"the graph failed on the capturing call's inputs: {hints.first_line(e)}") from e
+        raise VerificationError(f"the graph failed on the capturing call's inputs: {first_line(e)}") from e
     # The tree is rebuilt from the eager structure by construction; leaves are what can differ.
     problem = first_mismatch(names, eager_leaves, trees.flatten(served)[0])
     if problem:

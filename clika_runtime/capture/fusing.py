@@ -19,7 +19,7 @@ import torch
 
 import exporters
 import serving
-from clika_runtime.capture import hints
+from clika_runtime.base.errors import first_line
 from clika_runtime.shipped import graph as graph_mod
 
 logger = logging.getLogger("clika_runtime")
@@ -33,9 +33,9 @@ def fuse(exported: exporters.ExportedGraph, folder: graph_mod.GraphFolder) -> No
     """Write the graph with onnxruntime's fused kernels beside the portable one, when any apply.
     A speed-up only: any failure of the rewriter leaves the portable graph to serve."""
     try:
-        made = exporters.save_fused(exported.model, str(folder.path / folder.SERVED))
+        made = exporters.save_fused(exported.model, str(folder.path / folder.FUSED))
     except Exception as e:  # the rewriter is not on the correctness path: never lose a capture to it
-        logger.debug("no fused graph: %s: %s", type(e).__name__, hints.first_line(e))
+        logger.debug("no fused graph: %s: %s", type(e).__name__, first_line(e))
         folder.drop_fused()
         return
     if made:
@@ -46,17 +46,17 @@ def keep_if_faster(folder: graph_mod.GraphFolder, place: serving.Place, names: S
                    threads: int | None) -> None:
     """Drop the fused graph of a small CPU capture unless it runs faster than the portable one on
     ``feeds`` (the capture's call). Anything that stops the timing keeps the files as they are."""
-    if folder.served == folder.model or place.primary != "CPUExecutionProvider":
+    if folder.opened == folder.model or place.primary != "CPUExecutionProvider":
         return
     try:
         inputs = _numpy(names, feeds)
         if inputs is None:
             return
         fused, portable = (serving.open_session(str(path), place, intra_op_threads=threads)
-                           for path in (folder.served, folder.model))
+                           for path in (folder.opened, folder.model))
         ratio = _ratio(fused, portable, inputs)
     except Exception as e:  # a graph onnxruntime refuses is the session's business (capture._session)
-        logger.debug("fused and portable graphs not timed: %s", hints.first_line(e))
+        logger.debug("fused and portable graphs not timed: %s", first_line(e))
         return
     logger.debug("fused graph runs in %.2fx the portable one's time: %s", ratio,
                  "kept" if ratio < _MARGIN else "dropped")

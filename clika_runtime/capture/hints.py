@@ -12,8 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-# first_line lives in base.errors, which shipped/ reports with too; capture/ and function/ read it here.
-from clika_runtime.base.errors import CaptureError, UncapturableError, first_line
+from clika_runtime.base.errors import CaptureError, UncapturableError
 from clika_runtime.trees.key import Unkeyable
 
 logger = logging.getLogger("clika_runtime")

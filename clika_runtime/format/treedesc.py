@@ -26,7 +26,7 @@ MAX_NODES = 100_000
 _CONTAINERS = {"tuple", "list", "dict", "defaultdict", "ordereddict", "deque", "namedtuple", "structsequence", "custom"}
 _LEAVES = {"leaf", "const", "static", "scalar", "none"}
 _CALLED = {"namedtuple", "structsequence", "custom"}  # kinds rebuilt by calling the class named
-_SCALAR_TYPES = {"int": int, "float": float, "bool": bool}
+SCALAR_TYPES = {"int": int, "float": float, "bool": bool}  # a Python number by its type's name
 
 
 def describe(spec: Any, leaves: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def validated(description: Any) -> dict[str, Any]:
 
 def _check_leaf(node: Mapping[str, Any], path: str) -> None:
     kind = node["kind"]
-    if kind == "scalar" and not (isinstance(node.get("type"), str) and node["type"] in _SCALAR_TYPES):
+    if kind == "scalar" and not (isinstance(node.get("type"), str) and node["type"] in SCALAR_TYPES):
         raise ValueError(f"tree description at {path}: unknown scalar type {str(node.get('type'))[:30]!r}")
     if kind == "const" and ("value" not in node or not isinstance(node["value"], (type(None), bool, int, float, str))):
         raise ValueError(f"tree description at {path}: a constant needs a value: null, a bool, a number or a string")
@@ -170,7 +170,7 @@ def rebuild(description: dict[str, Any], leaves: Iterator[Any], types: Mapping[s
     if kind == "leaf":
         return next(leaves)
     if kind == "scalar":  # a Python number the graph computes (a size), returned as one
-        return _SCALAR_TYPES[description["type"]](next(leaves).item())
+        return SCALAR_TYPES[description["type"]](next(leaves).item())
     if kind == "const":
         return description["value"]
     if kind == "none":

@@ -20,11 +20,10 @@ from typing import Any, Iterator
 
 import torch
 
-from clika_runtime.base.errors import CaptureError, SignatureValueError, UncapturableError
+from clika_runtime.base.errors import CaptureError, SignatureValueError, UncapturableError, first_line
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
 from clika_runtime.capture import capture as capture_mod
-from clika_runtime.capture import hints
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.target import Target
 from clika_runtime.function.planning import learned_static, unlifted, variant_static
@@ -107,7 +106,7 @@ def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Att
         except UncapturableError:
             raise
         except CaptureError as error:
-            why = hints.first_line(error)
+            why = first_line(error)
             step = unlifted(plan, target.owner)
             if step is not None:
                 unliftable = unliftable | plan.call.lifted

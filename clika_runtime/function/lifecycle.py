@@ -22,10 +22,9 @@ import torch
 
 from clika_runtime.base import memory
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, ClikaError, VerificationError
+from clika_runtime.base.errors import CaptureError, ClikaError, VerificationError, first_line
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
-from clika_runtime.capture import hints
 from clika_runtime.capture.capture import Capture
 from clika_runtime.capture.closures import RunFailed
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
@@ -36,7 +35,7 @@ from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget, planned,
 )
 from clika_runtime.function.table import (
-    CacheTable, State, fallen_back, fresh, with_capture, with_refused, with_replaced, without,
+    CacheTable, State, empty, fallen_back, with_capture, with_refused, with_replaced, without,
 )
 from clika_runtime.state import weights
 from clika_runtime.state.snapshot import Snapshot
@@ -52,7 +51,7 @@ class Lifecycle:
 
     def __init__(self, target: Target, lock: threading.RLock) -> None:
         self.target, self.lock = target, lock
-        self.table: CacheTable = fresh(0)
+        self.table: CacheTable = empty(0)
         self._inflight: set[tuple[int, CallKey]] = set()
         self._warned: set[str] = set()
 
@@ -63,7 +62,7 @@ class Lifecycle:
     def reset(self) -> None:
         """A fresh table of a new generation: captures still in progress will not be installed."""
         with self.lock:
-            self.table = fresh(self.table.generation + 1)
+            self.table = empty(self.table.generation + 1)
         restore.forget(self.target)  # the weights hashed again: a reset often follows a write no one sees
         memory.give_back()
 
@@ -91,7 +90,7 @@ class Lifecycle:
         ``fullgraph=True`` raises ``CaptureError`` with the cause chained."""
         name = self.target.name
         where = _innermost(error)
-        why = (f"clika_runtime failed {doing} ({type(error).__name__}: {hints.first_line(error)}, in {where}); "
+        why = (f"clika_runtime failed {doing} ({type(error).__name__}: {first_line(error)}, in {where}); "
                "this is a bug in clika_runtime: please report it with this message")
         if self.target.fullgraph:
             raise CaptureError(f"{name}: {why}") from error
@@ -129,7 +128,7 @@ class Lifecycle:
         if TARGETS.exclusive_here():  # fake tensors of an export in this thread, not a failure
             return self.target.fn(*args, **kwargs)
         with self.lock:
-            why = f"the graph failed on these inputs ({hints.first_line(failed.error)}); re-captured from them"
+            why = f"the graph failed on these inputs ({first_line(failed.error)}); re-captured from them"
             self.table = without(self.table, [failed.capture], pending=why, spends=True)
         return self.miss(args, kwargs)
 
@@ -254,7 +253,7 @@ class Lifecycle:
                 if table.generation == generation and capture in table.captures:
                     self.table = with_replaced(table, capture, capture.verified_at(plan.call.feeds))
                 return out
-            why = over_budget(table, plan, self.target.options)
+            why = over_budget(table, plan)
         if why is not None:
             return self._give_up(why, generation, lambda: out)
         plan = CapturePlan(plan.call, plan.dynamic, plan.declared,
@@ -342,7 +341,7 @@ def _disagreement(capture: Capture, feeds: Any, out: Any) -> str | None:
         eager = trees.flatten(out)[0]
         return first_mismatch(trees.output_names(out, eager), eager, served)
     except Exception as error:  # onnxruntime refuses the graph at these sizes
-        return hints.first_line(error)
+        return first_line(error)
 
 
 def _blank(feeds: Any) -> bool:

@@ -88,7 +88,7 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     spends = bool(lift_reasons) or (table.pending_spends if table.pending else _a_number_varies(table, call))
     plan = CapturePlan(call, _initial_dynamic(table, call, options), declared_axes(call, options), reason,
                        untied=table.knowledge.untied, spends=spends)
-    return _budgeted(table, plan, options)
+    return _budgeted(table, plan)
 
 
 def _a_number_varies(table: CacheTable, call: Call) -> bool:
@@ -127,12 +127,12 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
             variant = CapturePlan(call, capture.dynamic, declared, reason, variant=True, untied=table.knowledge.untied)
             if len(capture.guard.verified) < MAX_POINTS:
                 return Verify(capture, variant)
-            return _budgeted(table, variant, options)
+            return _budgeted(table, variant)
     for capture, problems in found:
         if {p.kind for p in problems} <= VERIFIABLE | {"number"}:
             plan = CapturePlan(call, capture.dynamic, declared, "; ".join(str(p) for p in problems), variant=True,
                                untied=table.knowledge.untied)
-            return _budgeted(table, plan, options)
+            return _budgeted(table, plan)
     capture, problems = min(found, key=lambda pair: (sum(p.kind != "size" for p in pair[1]),
                                                      sum(p.kind == "size" for p in pair[1])))
     drifted = [dict(axes) for axes in capture.dynamic]
@@ -145,7 +145,7 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     untied = table.knowledge.untied | _split(capture, problems, call)
     plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
                        untied=untied)
-    return _budgeted(table, plan, options)
+    return _budgeted(table, plan)
 
 
 def _split(capture: "Capture", problems: Sequence[Any], call: Call) -> frozenset[frozenset[tuple[str, int]]]:
@@ -159,7 +159,7 @@ def _split(capture: "Capture", problems: Sequence[Any], call: Call) -> frozenset
     return frozenset(pairs)
 
 
-def _budgeted(table: CacheTable, plan: CapturePlan, options: Options) -> Decision:
+def _budgeted(table: CacheTable, plan: CapturePlan) -> Decision:
     limit = config.recapture_limit
     if plan.reason is not None and len(table.spent) >= limit:  # past that much waste, every re-capture stops
         hint = ("; a number that varies between calls feeds the graph when passed as a tensor "
@@ -182,9 +182,9 @@ def _spent(spent: Sequence[str]) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda item: -item[1]))
 
 
-def over_budget(table: CacheTable, plan: CapturePlan, options: Options) -> str | None:
+def over_budget(table: CacheTable, plan: CapturePlan) -> str | None:
     """Why ``plan`` may not be captured (the budget is spent), or ``None``."""
-    decision = _budgeted(table, plan, options)
+    decision = _budgeted(table, plan)
     return decision.why if isinstance(decision, GiveUp) else None
 
 

@@ -100,7 +100,7 @@ class CacheTable:
         return max(self.entries[current.key], key=lambda c: (sum(map(len, c.dynamic)), c.stats.last_use))
 
 
-def fresh(generation: int) -> CacheTable:
+def empty(generation: int) -> CacheTable:
     """The table of a function with nothing captured."""
     return CacheTable(generation=generation)
 

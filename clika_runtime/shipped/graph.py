@@ -183,7 +183,7 @@ class GraphFolder:
     of in memory; sessions open the files."""
 
     MODEL = "model.onnx"
-    SERVED = "served.onnx"  # the graph with onnxruntime's fused kernels, when any apply (exporters.fusion)
+    FUSED = "served.onnx"  # the graph with onnxruntime's fused kernels, when any apply (exporters.fusion)
     _OPTIMIZED = "optimized-"
 
     def __init__(self, parent: str | os.PathLike | None = None) -> None:
@@ -212,9 +212,9 @@ class GraphFolder:
         return folder
 
     @property
-    def served(self) -> Path:
+    def opened(self) -> Path:
         """The graph sessions open: the fused graph when there is one, else the model."""
-        fused = self.path / self.SERVED
+        fused = self.path / self.FUSED
         return fused if fused.is_file() else self.model
 
     def optimized(self, machine: str) -> Path:
@@ -223,10 +223,10 @@ class GraphFolder:
 
     def drop_fused(self) -> bool:
         """Remove the fused graph and what onnxruntime made of it; whether there was one."""
-        fused = self.path / self.SERVED
+        fused = self.path / self.FUSED
         if not fused.is_file():
             return False
-        for path in [fused, *self.path.glob(f"{self.SERVED}.data"), *self.path.glob(f"{self._OPTIMIZED}*")]:
+        for path in [fused, *self.path.glob(f"{self.FUSED}.data"), *self.path.glob(f"{self._OPTIMIZED}*")]:
             path.unlink(missing_ok=True)
         return True
 
