@@ -12,7 +12,7 @@ import torch
 from conftest import Counted
 
 import clika_runtime as cr
-from clika_runtime.state.compare import frozen
+from clika_runtime.state.compare import kept
 from clika_runtime.state.snapshot import Snapshot
 
 
@@ -553,8 +553,8 @@ def test_attributes_too_deep_to_walk_never_reach_the_caller():
 def test_big_nested_containers_are_watched_by_identity_not_copied():
     cube = [[[0] * 64 for _ in range(64)] for _ in range(64)]
     small = {"a": [1, 2], "b": {"c": 3}}
-    assert frozen(cube) is cube
-    copy = frozen(small)
+    assert kept(cube) is cube
+    copy = kept(small)
     assert copy == small and copy is not small and copy["b"] is not small["b"]
 
 

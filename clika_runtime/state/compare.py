@@ -1,7 +1,7 @@
 """One watched container of a target's Python state (a ``Part``), and how it compares now.
 
-A part holds what its watched entries were at capture, kept by value: containers are copied three
-levels deep when they hold up to ``COPIED`` items in all; past that, kept by identity. Values
+A part holds what its watched entries were at capture (``kept``: a copy of a container three
+levels deep when it holds up to ``COPIED`` items in all; past that, the object itself). Values
 compare by ``==`` (identity first): ``2`` re-assigned as ``2.0`` is no change. ``differences``
 names the entries that moved, ``word`` says one in words, ``reread`` takes the values as they are
 now, ``without`` leaves out the entries a target writes itself.
@@ -39,7 +39,7 @@ class Part:
 def dict_part(name: str, state: dict, keys: list[str], *, sized: bool, whole: bool = False) -> Part:
     """``keys`` of ``state``; ``whole``: their values are dictionaries copied whatever their size
     (a module's children and hooks: a swap in a 100-layer list must show)."""
-    values = tuple(dict(state[k]) if whole else frozen(state[k]) for k in keys)
+    values = tuple(dict(state[k]) if whole else kept(state[k]) for k in keys)
     if not keys:
         return Part(name, state, (), None, (), len(state) if sized else None, frozenset(state))
     return Part(name, state, tuple(keys), operator.itemgetter(*keys), values, len(state) if sized else None,
@@ -54,10 +54,10 @@ def cells_part(cells: tuple, names: tuple[str, ...]) -> Part:
     """A function's filled closure cells, by their variables' ``names``."""
     one = len(cells) == 1  # one cell is read alone: a getter of one key gives the value itself
     return Part("closed-over", cells[0] if one else cells, names, _contents if one else _cells,
-                tuple(frozen(c.cell_contents) for c in cells), None, variables=True)
+                tuple(kept(c.cell_contents) for c in cells), None, variables=True)
 
 
-def frozen(value: Any, depth: int = 3) -> Any:
+def kept(value: Any, depth: int = 3) -> Any:
     """What to keep of ``value``: a copy of a small container, ``depth`` levels down (it may
     change in place), when it holds at most ``COPIED`` items in all (compared on every call);
     a tuple only when something in it was copied."""
@@ -108,24 +108,24 @@ def reread(part: Part) -> Part:
     now = (now,) if len(part.keys) == 1 else tuple(now)
     whole = bool(part.keys) and all(k in MODULE_PRIVATE for k in part.keys)
     container = part.container
-    return replace(part, values=tuple(dict(v) if whole else frozen(v) for v in now),
+    return replace(part, values=tuple(dict(v) if whole else kept(v) for v in now),
                    size=len(container) if part.size is not None else None,
                    known=frozenset(container) if isinstance(container, dict) else part.known)
 
 
 def without(part: Part, skip: frozenset[tuple[str, str]]) -> Part | None:
     """``part`` without the keys in ``skip``; a part that is not a dictionary is left out whole."""
-    kept = [key for key in part.keys if (part.name, key) not in skip]
-    if len(kept) == len(part.keys):
+    left = [key for key in part.keys if (part.name, key) not in skip]
+    if len(left) == len(part.keys):
         return part
     if part.read in (_contents, _cells):  # a closure: its other cells stay watched
         cells = (part.container,) if len(part.keys) == 1 else part.container
-        pairs = [(cell, key) for cell, key in zip(cells, part.keys) if key in kept]
+        pairs = [(cell, key) for cell, key in zip(cells, part.keys) if key in left]
         return cells_part(tuple(c for c, _ in pairs), tuple(k for _, k in pairs)) if pairs else None
     if not isinstance(part.container, dict):
         return None
-    fewer = dict_part(part.name, part.container, kept, sized=part.size is not None,
-                       whole=any(k in MODULE_PRIVATE for k in kept))
+    fewer = dict_part(part.name, part.container, left, sized=part.size is not None,
+                       whole=any(k in MODULE_PRIVATE for k in left))
     return replace(fewer, variables=part.variables, per_call=part.per_call)
 
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from clika_runtime.state.compare import COPIED, MODULE_PRIVATE, Part, cells_part, dict_part, frozen
+from clika_runtime.state.compare import COPIED, MODULE_PRIVATE, Part, cells_part, dict_part, kept
 
 _DEPTH = 2  # levels of attribute-carrying objects watched below a module
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
@@ -142,7 +142,7 @@ def _callable(fn: Any, walk: _Walk) -> list[Part]:
         return _held(fn, "module", walk)
     if isinstance(fn, functools.partial):
         parts = [Part("the partial's", fn, ("args", "keywords"), operator.attrgetter("args", "keywords"),
-                      (frozen(fn.args), frozen(fn.keywords)), None, variables=True)]
+                      (kept(fn.args), kept(fn.keywords)), None, variables=True)]
         return parts + _held(fn.args, "argument", walk) + _held(fn.keywords, "keyword", walk)
     inner = getattr(fn, "__func__", fn)
     parts = _function(inner, walk) if isinstance(inner, types.FunctionType) else []
@@ -158,7 +158,7 @@ def _callable(fn: Any, walk: _Walk) -> list[Part]:
 def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
     parts = [Part(f"{fn.__qualname__}'s", fn, ("__defaults__", "__kwdefaults__", "__code__"),
                   operator.attrgetter("__defaults__", "__kwdefaults__", "__code__"),
-                  (frozen(fn.__defaults__), frozen(fn.__kwdefaults__), fn.__code__), None, variables=True)]
+                  (kept(fn.__defaults__), kept(fn.__kwdefaults__), fn.__code__), None, variables=True)]
     cells = tuple(c for c in fn.__closure__ or () if filled(c))
     names = dict(zip((id(c) for c in fn.__closure__ or ()), fn.__code__.co_freevars))
     if cells:

@@ -104,8 +104,8 @@ _NUMPY_SCALARS = (np.generic,)  # np.float32(0.7), np.int64(3): numbers, keyed b
 # Code and classes: immutable in practice, so identity is their value (as torch.compile guards them).
 _BY_IDENTITY = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
                 types.BuiltinMethodType)
-_SNAPSHOT_DEPTH = 4
-_SNAPSHOT_ITEMS = 64
+_BY_VALUE_DEPTH = 4
+_BY_VALUE_ITEMS = 64
 
 
 def static_value(leaf: Any) -> Hashable:
@@ -113,9 +113,9 @@ def static_value(leaf: Any) -> Hashable:
     differ; NaN equals NaN; ``-0.0`` is not ``0.0``).
 
     Value types (numbers, str, bytes, None, enums, dtypes, frozen dataclasses of them) key by
-    value; functions and classes by identity; any other object by a snapshot of its attributes,
-    taken again on every call, so a changed attribute is a new key. Raises ``Unkeyable`` for an
-    object that cannot be snapshot (it holds tensors, modules, or too much).
+    value; functions and classes by identity; any other object by the value of its attributes,
+    read again on every call, so a changed attribute is a new key. Raises ``Unkeyable`` for an
+    object that cannot be keyed by value (it holds tensors, modules, or too much).
     """
     kind = type(leaf)
     if kind in _PLAIN:
@@ -130,12 +130,12 @@ def static_value(leaf: Any) -> Hashable:
         raise Unkeyable(f"a {kind.__name__} passed where only tensor leaves feed the graph")
     if isinstance(leaf, _NUMPY_SCALARS):  # np.float32(0.7): a number, keyed as one with its type
         return (kind, static_value(leaf.item()))
-    if kind.__hash__ is None and not dataclasses.is_dataclass(leaf):  # (a mutable dataclass: its snapshot)
+    if kind.__hash__ is None and not dataclasses.is_dataclass(leaf):  # (a mutable dataclass: by value)
         raise Unkeyable(f"static input leaf of unhashable type {kind.__name__} cannot key a capture")
-    return ("snapshot", kind, _snapshot(leaf, _SNAPSHOT_DEPTH))
+    return ("snapshot", kind, _by_value(leaf, _BY_VALUE_DEPTH))  # the tag stays: disk-cache keys hold it
 
 
-def _snapshot(value: Any, depth: int) -> Hashable:
+def _by_value(value: Any, depth: int) -> Hashable:
     """The value of a mutable object as nested tuples, or ``Unkeyable``."""
     kind = type(value)
     if kind in _PLAIN or isinstance(value, (enum.Enum, *_BY_IDENTITY)):
@@ -148,21 +148,21 @@ def _snapshot(value: Any, depth: int) -> Hashable:
         raise Unkeyable(f"an object holding a {kind.__name__}, whose value cannot key a capture")
     if isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
-        return (kind, tuple(_snapshot(v, depth - 1) for v in _capped(items, kind)))
+        return (kind, tuple(_by_value(v, depth - 1) for v in _capped(items, kind)))
     if isinstance(value, dict):  # keys by type too: {1: ...} and {True: ...} are one dict to ==
-        return (kind, tuple((_snapshot(k, depth - 1), _snapshot(v, depth - 1)) for k, v in _capped(value.items(), kind)))
+        return (kind, tuple((_by_value(k, depth - 1), _by_value(v, depth - 1)) for k, v in _capped(value.items(), kind)))
     if dataclasses.is_dataclass(value):
         fields = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
-        return (kind, tuple((k, _snapshot(v, depth - 1)) for k, v in _capped(fields, kind)))
+        return (kind, tuple((k, _by_value(v, depth - 1)) for k, v in _capped(fields, kind)))
     state = getattr(value, "__dict__", None)
     if state is None:
         raise Unkeyable(f"a {kind.__name__} has no attributes to compare by value")
-    return (kind, tuple((k, _snapshot(v, depth - 1)) for k, v in _capped(state.items(), kind)))
+    return (kind, tuple((k, _by_value(v, depth - 1)) for k, v in _capped(state.items(), kind)))
 
 
 def _capped(items: Any, kind: type) -> list:
     items = list(items)
-    if len(items) > _SNAPSHOT_ITEMS:
+    if len(items) > _BY_VALUE_ITEMS:
         raise Unkeyable(f"a {kind.__name__} with {len(items)} entries is too large to compare by value on every call")
     return items
 
@@ -283,8 +283,8 @@ def _value(static: Any) -> str:
     return "nan" if value is _NAN else repr(value)
 
 
-def _short(snapshot: Any) -> str:
-    text = repr(snapshot[1] if isinstance(snapshot, tuple) and len(snapshot) == 2 else snapshot)
+def _short(value: Any) -> str:
+    text = repr(value[1] if isinstance(value, tuple) and len(value) == 2 else value)
     return text if len(text) < 80 else text[:77] + "..."
 
 
