@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence, Union
 
+import serving
+from clika_runtime.base.errors import PlaceError
+
 DimSpec = Union[int, str, None]
 """One entry of a ``TensorSpec`` shape: an int is static, ``None`` or a str is dynamic (a str names it)."""
 
@@ -54,3 +57,12 @@ class TensorInfo(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.name}: {self.dtype}[{', '.join(map(str, self.shape))}]"
+
+
+def resolve_place(place: PlaceLike) -> serving.Place:
+    """A place as onnxruntime providers; ``PlaceError`` when onnxruntime cannot give it (never
+    a silent CPU fallback)."""
+    try:
+        return serving.resolve(place)
+    except ValueError as e:
+        raise PlaceError(str(e)) from e

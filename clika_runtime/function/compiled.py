@@ -13,9 +13,8 @@ from typing import Any, Callable, Generic, Mapping, ParamSpec, Sequence, TypeVar
 
 import torch
 
-import serving
-from clika_runtime.base.errors import PlaceError, StateError
-from clika_runtime.base.specs import DynamicAxes, PlaceLike, TensorSpec
+from clika_runtime.base.errors import StateError
+from clika_runtime.base.specs import DynamicAxes, PlaceLike, TensorSpec, resolve_place
 from clika_runtime.capture.closures import MISS, RunFailed
 from clika_runtime.capture.described import describe
 from clika_runtime.capture.plan import Options
@@ -110,7 +109,7 @@ class CompiledFunction(Generic[P, R]):
             options=Options(signature, dynamic, axes, specialize),
             fullgraph=bool(fullgraph),
             optimize=optimize is not False,
-            place=_resolve_place(place) if place is not None else None,
+            place=resolve_place(place) if place is not None else None,
             output_names=None if output_names is None else tuple(output_names),
             graph_name=graph_name or _default_name(target),
             name=getattr(target, "__name__", type(target).__name__),
@@ -271,13 +270,6 @@ def _default_name(target: Any) -> str:
     if isinstance(target, torch.nn.Module):
         return type(target).__name__
     return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
-
-
-def _resolve_place(place: PlaceLike) -> serving.Place:
-    try:
-        return serving.resolve(place)
-    except ValueError as e:
-        raise PlaceError(str(e)) from e
 
 
 def _normalise_axes(axes: DynamicAxes) -> dict[str, dict[int, str | None]]:
