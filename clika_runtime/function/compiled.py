@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import types
 from typing import Any, Callable, Generic, Mapping, ParamSpec, Sequence, TypeVar
 
 import torch
@@ -236,6 +237,23 @@ class CompiledFunction(Generic[P, R]):
             graph = current.graph()
             self._lifecycle.swap(fallen_back(table, "graph taken by take_graph(); serving eagerly until reset()"))
             return graph
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attribute = name  # a method in a class body: where __get__ keeps each instance's own
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """``@cr.compile`` on a method in a class body binds like a method (as ``@torch.compile``
+        does): each instance gets its own compiled function over its bound method, kept in the
+        instance's ``__dict__`` under the method's name, so the instance owns it and the two go
+        together (the cycle through the bound method is the garbage collector's to free)."""
+        if instance is None or not isinstance(self.__wrapped__, types.FunctionType):
+            return self
+        bound = CompiledFunction(self.__wrapped__.__get__(instance, owner), **self._options)
+        try:
+            vars(instance)[getattr(self, "_attribute", self.__name__)] = bound
+        except TypeError:  # no instance __dict__ (__slots__): a compiled function per access
+            pass
+        return bound
 
     def __deepcopy__(self, memo: dict) -> "CompiledFunction[P, R]":
         """A fresh function (nothing captured) over a deep copy of the target, with the same
