@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -23,7 +24,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # inside the try: a reader gone (`| head -1`) surfaces here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader closed the pipe: stop quietly, as a tool killed by SIGPIPE does (exit 141 =
+        # 128 + SIGPIPE). stdout goes to devnull so the interpreter's final flush cannot raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
     except (ClikaError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -51,8 +51,21 @@ def describe_graph(model_proto: Any, where: str) -> CaptureInfo:
     statics = [f"{path}={leaf['value']!r}" for name, child in leaves for path, leaf in _static_leaves(child, name)
                if leaf["kind"] == "const"]
     tensors = [f"{i.name}: {i.dtype}" for i in inputs]
-    return CaptureInfo(key=", ".join(tensors + statics), inputs=inputs, outputs=outputs,
+    caches = [cache_words(name, child) for name, child in leaves if child.get("cache")]
+    return CaptureInfo(key=", ".join(tensors + statics + caches), inputs=inputs, outputs=outputs,
                        guard=guard_text(found.guard) if found.guard is not None else "")
+
+
+def cache_words(name: str, description: dict[str, Any]) -> str:
+    """How a KV cache argument is passed to the shipped graph: a tuple of per-layer pairs, or for a
+    prefill captured with an empty cache, one empty tuple per layer (``None`` or nothing also do)."""
+    layers = description.get("children", ())
+    kind = str(description["cache"]).rpartition(":")[2]
+    if all(not layer.get("children") for layer in layers):
+        empty = "(" + ", ".join("()" for _ in layers) + ("," if len(layers) == 1 else "") + ")"
+        return (f"{name}={empty} (an empty {kind} of {len(layers)} layers: a prefill; "
+                f"{name}=None or no {name} is taken too)")
+    return f"{name}: {kind} of {len(layers)} layers, as ((key, value), ...) arrays"
 
 
 def _static_leaves(description: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:

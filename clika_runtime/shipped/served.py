@@ -15,7 +15,7 @@ import numpy as np
 import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import ClikaError, GraphFileError, GraphInputError, GraphRunError, PlaceError
-from clika_runtime.base.specs import PlaceLike, TensorInfo
+from clika_runtime.base.specs import PlaceLike, TensorInfo, resolve_place
 from clika_runtime.format import graphfile, metadata, treedesc
 from clika_runtime.format.graphfile import existing
 from clika_runtime.guards.guard import Guard, InputRule
@@ -42,7 +42,7 @@ class ServedGraph:
     def __init__(self, model: bytes | str, place: PlaceLike = None, *, output_types: Iterable[type] = (),
                  keep: Any = None) -> None:
         self._keep = keep  # a temporary folder holding the model's external data, if any
-        self._place = _resolve_place(place)
+        self._place = resolve_place(place)
         where = model if isinstance(model, str) else "graph"
         # Before onnxruntime opens it: what the file makes its reader read or run besides itself.
         if isinstance(model, str):
@@ -137,6 +137,7 @@ class ServedGraph:
             return [given[n] for n in self.input_names]
         args, kwargs = self._canonical(args, kwargs)
         args_desc, kwargs_desc = self._inputs["children"]
+        args, kwargs = _empty_caches(args, kwargs, args_desc, kwargs_desc)
         if len(args) != len(args_desc["children"]):
             raise GraphInputError(
                 f"expected {len(args_desc['children'])} positional inputs {self._parameters[:len(args_desc['children'])]}, "
@@ -168,7 +169,7 @@ class ServedGraph:
         """Keyword arguments that name positional parameters move to their slots, as at capture.
 
         A slot the call leaves out takes the value it was captured with, when that was a constant
-        (a parameter default such as ``None``).
+        (a parameter default such as ``None``) or an empty cache (a prefill captured with one).
         """
         slots = self._inputs["children"][0]["children"]
         if not kwargs or len(args) >= len(slots):
@@ -181,6 +182,8 @@ class ServedGraph:
                 filled.append(kwargs[name])
             elif slots[i].get("kind") == "const":
                 filled.append(slots[i]["value"])
+            elif _empty_cache(slots[i]) is not None:
+                filled.append(_empty_cache(slots[i]))
             else:
                 break
         if not moved:
@@ -195,6 +198,32 @@ class ServedGraph:
             dtypes = [t.dtype for t in tensors] + [o.dtype for o in self._declared[1]]
             self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
         return self._torch.run(tensors)
+
+
+def _empty_cache(description: Mapping[str, Any]) -> tuple | None:
+    """``((), (), ...)``, one empty tuple per layer, when ``description`` is a KV cache captured
+    empty (a prefill captured from ``generate``, which passes the empty cache it made); else None."""
+    children = description.get("children", ())
+    if not description.get("cache") or not all(c.get("kind") == "tuple" and not c.get("children") for c in children):
+        return None
+    return tuple(() for _ in children)
+
+
+def _empty_caches(args: tuple, kwargs: dict, args_desc: Mapping[str, Any],
+                  kwargs_desc: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """``None`` (or nothing) where the graph was captured with an empty cache becomes that empty
+    cache: what a caller writes first for a prefill (no cache, or ``cache=None``, the models' own
+    default) is taken."""
+    slots = args_desc["children"]
+    args = tuple(_empty_cache(slots[i]) if v is None and i < len(slots) and _empty_cache(slots[i]) is not None else v
+                 for i, v in enumerate(args))
+    named = dict(zip(kwargs_desc.get("keys", ()), kwargs_desc.get("children", ())))
+    kwargs = {k: _empty_cache(named[k]) if v is None and k in named and _empty_cache(named[k]) is not None else v
+              for k, v in kwargs.items()}
+    for key, description in named.items():  # left out altogether
+        if key not in kwargs and _empty_cache(description) is not None:
+            kwargs[key] = _empty_cache(description)
+    return args, kwargs
 
 
 class Declared(NamedTuple):
@@ -260,10 +289,3 @@ def _declared_guard(inputs: Sequence[TensorInfo]) -> Guard:
         shape = tuple(d if isinstance(d, int) else (d or f"{i.name}_dim{a}") for a, d in enumerate(i.shape))
         rules.append(InputRule(i.name, i.dtype, shape))
     return Guard(tuple(rules))
-
-
-def _resolve_place(place: PlaceLike) -> serving.Place:
-    try:
-        return serving.resolve(place)
-    except ValueError as e:
-        raise PlaceError(str(e)) from e
