@@ -292,8 +292,12 @@ def test_unsupported_caches_serve_eagerly_with_the_reason():
         out = g(ids, attention_mask=torch.ones_like(ids), past_key_values=cache)
     with torch.no_grad():
         ref = llama(ids, attention_mask=torch.ones_like(ids), past_key_values=ref_cache)
-    assert out.past_key_values is cache and g.state is not cr.CompiledFunction.State.Fallback
+    assert out.past_key_values is cache and "a StaticCache" in g.fallback_reason
     torch.testing.assert_close(out.logits, ref.logits)
+    with torch.no_grad():  # the function's other calls are not affected
+        for _ in range(2):
+            out = g(ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    assert g.state is cr.CompiledFunction.State.Compiled and g.captures[0].hits == 1
 
 
 # ------------------------------------------------------------------------- the adapter on its own

@@ -407,3 +407,39 @@ def test_a_value_read_outside_the_model_is_in_the_key(case, tmp_path, monkeypatc
     assert _exported(f), f"{case}: the graph made under the old value was restored"
     with torch.no_grad():
         torch.testing.assert_close(f(torch.full((2,), 8.0)), torch.full((2,), 5.0))
+
+
+GENERATE = textwrap.dedent("""
+    import torch, transformers, clika_runtime as cr
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.forward = cr.compile(model.forward)
+    with torch.no_grad():
+        model.generate(torch.randint(0, 100, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    print(sum("export" in c.phases for c in model.forward.captures), len(model.forward.captures))
+""")
+
+
+@pytest.mark.slow
+def test_a_later_process_finds_every_graph_generate_made_the_prefill_too(tmp_path):
+    # The prefill bakes tensors its trace makes itself (lifted constants): they are in the graph.
+    env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    runs = [subprocess.run([sys.executable, "-c", GENERATE], capture_output=True, text=True, timeout=300, env=env)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    assert runs[0].stdout.split() == ["2", "2"] and runs[1].stdout.split() == ["0", "2"], [r.stdout for r in runs]
+
+
+_REACHED = torch.nn.Linear(4, 4).eval()
+
+
+def test_a_graph_of_a_model_a_function_reaches_is_found_again_and_watched():
+    x = torch.randn(2, 4)
+    assert _exported(_capture(lambda t: _REACHED(t) * 2, x))
+    f = _capture(lambda t: _REACHED(t) * 2, x)
+    assert not _exported(f)  # restored: the model's weights found again through the global
+    with torch.no_grad():
+        _REACHED.weight.add_(1.0)
+        torch.testing.assert_close(f(x), _REACHED(x) * 2)  # and watched
+    assert f.recapture_reasons and f.recapture_reasons[-1].startswith("weights changed")

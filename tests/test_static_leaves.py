@@ -61,7 +61,7 @@ def test_unhashable_static_leaf_serves_eagerly_with_one_warning():
         torch.testing.assert_close(f(x, Opaque(2)), x * 2)
         torch.testing.assert_close(f(x, Opaque(3)), x * 3)
     assert len(record) == 1
-    assert f.state is cr.CompiledFunction.State.Pending
+    assert f.state is cr.CompiledFunction.State.Fallback and "unhashable type Opaque" in f.fallback_reason
     with pytest.raises(CaptureError, match="unhashable type Opaque"):
         cr.compile(lambda x, cfg: x * cfg.k, fullgraph=True)(x, Opaque(2))
 

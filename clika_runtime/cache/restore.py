@@ -11,6 +11,7 @@ tree and constant leaves come from it, and the graph serves only once it agrees 
 from __future__ import annotations
 
 import logging
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -126,9 +127,12 @@ def store(slot: Slot, capture: capture_mod.Capture, plan: CapturePlan, notes: li
           static_axes: list[tuple[str, int]], unliftable: frozenset[int], graph_name: str) -> None:
     """Keep a new capture for later processes (an unwritable cache is turned off, said once)."""
     parts = capture.parts
-    baked = [(b.name, b.kind) for b in capture.baked]
-    if any(kind in ("constant", "reached") for _, kind in baked):
-        return  # a tensor it baked cannot be found again by name: a later process could not watch it
+    baked = [(b.name, b.kind) for b in capture.baked if not _made_by_the_trace(b.name, b.kind)]
+    lost = [name for name, kind in baked if kind == "constant"]
+    if lost:  # a tensor of the user's it baked cannot be found again by name: a later process could not watch it
+        logger.debug("disk cache: the capture of %s is not kept: %s baked, which a later process cannot find by "
+                     "name to watch", graph_name, ", ".join(map(repr, lost[:4])))
+        return
     meta = {
         "graph_name": graph_name, "model": GraphFolder.MODEL, "names": list(capture.names),
         "lifted": sorted(plan.call.lifted), "dynamic": [{str(a): n for a, n in d.items()} for d in plan.dynamic],
@@ -141,6 +145,16 @@ def store(slot: Slot, capture: capture_mod.Capture, plan: CapturePlan, notes: li
         slot.cache.save(slot.key, capture.folder.files(), meta)
     except OSError as e:
         diskcache.refuse(slot.cache.root, e)
+
+
+# The names torch.export gives the tensors a trace makes itself (``torch.tensor(...)`` in a forward,
+# a mask built from constants): they are in the graph, the code that makes them is in the key,
+# and there is nothing of the user's to watch.
+_TRACE_MADE = re.compile(r"(^|\.)(lifted_tensor_\d+|_tensor_constant\d+)$")
+
+
+def _made_by_the_trace(name: str, kind: str) -> bool:
+    return kind == "constant" and _TRACE_MADE.search(name) is not None
 
 
 def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, slot: Slot,

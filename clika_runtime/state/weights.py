@@ -193,14 +193,25 @@ def found_again(recorded: Sequence[tuple[str, str]], owner: torch.nn.Module | No
     """The tensors a graph from the disk cache baked, found by (name, kind) in this process as
     they are now; ``None`` when one cannot be found (its graph cannot be watched: not reused)."""
     baked = []
+    reached = dict(modules_reached(target, owner)) if any(k == "reached" for _, k in recorded) else {}
     for name, kind in recorded:
         lookup = _module_lookup(owner, name) if kind == "module" and owner is not None else \
-            closure_lookup(target, name) if kind == "closure" else None
+            closure_lookup(target, name) if kind == "closure" else _reached_lookup(reached, name) \
+            if kind == "reached" else None
         tensor = _lookup(lookup) if lookup is not None else None
         if not isinstance(tensor, torch.Tensor):
             return None
-        baked.append(Baked.of(name, tensor, lookup, rebinds=kind == "closure"))
+        baked.append(Baked.of(name, tensor, lookup, rebinds=kind == "closure", reached=kind == "reached"))
     return baked
+
+
+def _reached_lookup(reached: dict[str, torch.nn.Module], name: str) -> Callable[[], Any] | None:
+    """Where a tensor of a module the target reaches (``model.0.weight``: ``model`` in its closure)
+    is found now: the module found at that place, then the tensor's path in it."""
+    for where, module in reached.items():
+        if name.startswith(where + "."):
+            return _module_lookup(module, name[len(where) + 1:])
+    return None
 
 
 def _module_lookup(owner: torch.nn.Module, name: str) -> Callable[[], Any] | None:
