@@ -35,6 +35,10 @@ class Config:
             ``$CLIKA_RUNTIME_CACHE_DIR`` when set, else the user cache directory
             (``~/.cache/clika_runtime``); a path; ``None`` turns the cache off.
         cache_max_bytes: the cache's size bound; the least recently used entries go first.
+        progress: a capture that takes longer than two seconds shows one progress line on
+            stderr (what it is doing, how long it has taken): ``"auto"`` (the default) when
+            stderr is a terminal or a notebook runs, ``True`` always, ``False`` never (the
+            ``clika_runtime`` logger says the same at INFO either way).
     """
 
     cache_size: int = 8
@@ -43,6 +47,14 @@ class Config:
     tolerances: dict[str, tuple[float, float]] = field(default_factory=_default_tolerances)
     cache_dir: str | os.PathLike | None = AUTO
     cache_max_bytes: int = 4 * 2**30
+    progress: bool | str = AUTO
+
+    def shows_progress(self) -> bool:
+        """Whether long captures show their progress line on stderr now."""
+        if self.progress != AUTO:
+            return bool(self.progress)
+        stderr = sys.stderr
+        return "ipykernel" in sys.modules or bool(stderr is not None and getattr(stderr, "isatty", lambda: False)())
 
     def session_threads(self) -> int | None:
         """onnxruntime's intra-op threads now: ``intra_op_threads``, else torch's count where torch

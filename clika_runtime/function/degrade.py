@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
+from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, SignatureValueError, UncapturableError, first_line
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
@@ -62,21 +64,54 @@ def build(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | No
 @contextlib.contextmanager
 def _progress(target: Target, plan: CapturePlan) -> Iterator[list[Attempt]]:
     """Say what a capture is doing when it takes longer than ``PROGRESS_AFTER`` seconds (big models
-    take minutes), and how long each phase took when it is done."""
+    take minutes): on the logger, and on stderr as one line that counts the seconds, the way
+    tqdm-style tools do (``config.progress``); and how long each phase took when it is done."""
     shapes = ", ".join(f"{n}[{','.join(map(str, v.shape))}]" if hasattr(v, "shape") else f"{n}={v}"
                        for n, v in zip(plan.call.names, plan.call.feeds))
-    timer = threading.Timer(PROGRESS_AFTER, logger.info, ("capturing %s(%s) ...", target.graph_name, shapes))
-    timer.daemon = True
-    started, done = time.perf_counter(), []
-    timer.start()
+    what = f"{target.graph_name}({shapes})"
+    line = _Line(config.shows_progress())
+    stop, started, done = threading.Event(), time.perf_counter(), []
+
+    def tick() -> None:
+        if stop.wait(PROGRESS_AFTER):
+            return
+        logger.info("capturing %s ...", what)
+        while not stop.is_set():
+            line.show(f"clika_runtime: capturing {what} ... {time.perf_counter() - started:.0f} s")
+            stop.wait(1.0)
+
+    ticker = threading.Thread(target=tick, name="clika_runtime progress", daemon=True)
+    ticker.start()
     try:
         yield done
     finally:
-        timer.cancel()
+        stop.set()
+        ticker.join()
         took = time.perf_counter() - started
         if done and took > PROGRESS_AFTER:
             phases = ", ".join(f"{k} {v:.1f} s" for k, v in done[0].capture.stats.phases.items())
-            logger.info("captured %s(%s) in %.1f s: %s", target.graph_name, shapes, took, phases)
+            logger.info("captured %s in %.1f s: %s", what, took, phases)
+            line.show(f"clika_runtime: captured {what} in {took:.1f} s ({phases})", last=True)
+        else:
+            line.show("", last=True)
+
+
+class _Line:
+    """One line on stderr, rewritten in place (a carriage return), ended when the capture ends."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.width = on, 0
+
+    def show(self, text: str, last: bool = False) -> None:
+        if not self.on or (not text and not self.width):
+            return
+        padded = text.ljust(self.width)
+        self.width = len(text)
+        try:
+            sys.stderr.write("\r" + padded + ("\n" if last and text else "\r" if last else ""))
+            sys.stderr.flush()
+        except (OSError, ValueError):  # a closed or broken stderr: the logger still says it
+            self.on = False
 
 
 def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None) -> Attempt:
