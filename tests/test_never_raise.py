@@ -89,3 +89,15 @@ def test_the_targets_own_exception_reaches_the_caller_unchanged():
         with pytest.raises(ValueError, match="^at most two rows$"):
             f(torch.ones(5))
     assert f.state is cr.CompiledFunction.State.Compiled and f.captures[0].hits == 1
+
+
+def test_the_targets_own_exception_raised_while_re_capturing_after_a_graph_failure_passes_unchanged():
+    # The graph fails on an index past the end (onnxruntime); the miss re-captures from that call,
+    # whose eager run raises torch's error: through two boundaries, it is still the target's.
+    f = cr.compile(lambda x, i: torch.nn.functional.embedding(i, x))
+    x = torch.arange(16.0).reshape(4, 4)
+    f(x, torch.tensor([[1, 2]]))
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(IndexError):
+        warnings.simplefilter("always")
+        f(x, torch.tensor([[1, 4]]))
+    assert not [w for w in caught if "bug in clika_runtime" in str(w.message)] and not f.eager_keys

@@ -10,7 +10,6 @@ import pathlib
 
 import pytest
 
-pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
 _SPEC = importlib.util.spec_from_file_location("op_sweep", pathlib.Path(__file__).parents[1] / "scripts" / "op_sweep.py")
 op_sweep = importlib.util.module_from_spec(_SPEC)

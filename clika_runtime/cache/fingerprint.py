@@ -49,7 +49,7 @@ def function_key(target: Target) -> str:
     an eager call does (holding ``TARGETS`` shared): an export elsewhere swaps its parameters."""
     digest = hashlib.sha256(code_key(target).encode())
     with TARGETS.shared():
-        tensors = _tensors(target)
+        tensors = _bakeable(target)
         for (name, _), tensor_hex in zip(tensors, _digests([t for _, t in tensors])):
             digest.update(name.encode())
             digest.update(tensor_hex.encode())
@@ -64,7 +64,7 @@ def code_key(target: Target) -> str:
     with TARGETS.shared():
         for part in (_versions(), _options(target), _code(target.fn), _sources(target.fn)):
             digest.update(part.encode())
-        for name, tensor in _tensors(target):
+        for name, tensor in _bakeable(target):
             digest.update(f"{name}:{tensor.dtype}{tuple(tensor.shape)}".encode())
     return digest.hexdigest()
 
@@ -73,7 +73,7 @@ def warm(target: Target) -> None:
     """Hash the target's weights now (one thread), so a ``function_key`` soon after finds them
     hashed: run beside a capture's eager call, which it overlaps (``restore.ahead``)."""
     with TARGETS.shared():
-        tensors = [t for _, t in _tensors(target)]
+        tensors = [t for _, t in _bakeable(target)]
     for tensor in tensors:
         with TARGETS.shared():  # between tensors, an export elsewhere may take its turn
             tensor_digest(tensor)
@@ -117,7 +117,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def _tensors(target: Target) -> list[tuple[str, torch.Tensor]]:
+def _bakeable(target: Target) -> list[tuple[str, torch.Tensor]]:
     """Every tensor a capture of ``target`` may bake: the owner's, and those its code closes over."""
     found: list[tuple[str, torch.Tensor]] = []
     if target.owner is not None:
@@ -148,7 +148,7 @@ def _attribute_tensors(owner: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
 def forget(target: Target) -> None:
     """Hash the target's tensors afresh next time: a write through ``.data`` moves neither their
     version nor their memory, so after one the digests kept for them are stale (``reset()``)."""
-    for _, tensor in _tensors(target):
+    for _, tensor in _bakeable(target):
         _DIGESTS.pop(id(tensor), None)
 
 

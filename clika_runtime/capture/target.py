@@ -19,7 +19,8 @@ from clika_runtime.capture.plan import Options
 from clika_runtime.trees.calls import CallForms
 
 _Tensor = torch.Tensor
-_RAISED = threading.local()  # the last exception the target raised in this thread (``target_raised``)
+_FROM_TARGET = "_clika_runtime_from_target"  # marks an exception the target raised (``target_raised``)
+_RAISED = threading.local()  # the same, for an exception that takes no attributes
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Target:
             try:
                 return self.fn(*args, **kwargs)
             except BaseException as error:
-                _RAISED.error = error  # the call path's boundary lets it through unchanged
+                _mark(error)  # the call path's boundaries let it through unchanged
                 raise
 
     def eager_checked(self, feeds: Sequence[Any], names: Sequence[str], args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
@@ -63,10 +64,19 @@ class Target:
 
 
 def target_raised(error: BaseException) -> bool:
-    """Whether ``error`` is one the target itself raised in its eager call in this thread (it
-    reaches the caller unchanged; any other is the library's own). Forgets it: no traceback kept."""
-    raised, _RAISED.error = getattr(_RAISED, "error", None), None
+    """Whether ``error`` is one the target itself raised in an eager call (it reaches the caller
+    unchanged, through every boundary it crosses; any other is the library's own)."""
+    if getattr(error, _FROM_TARGET, False):
+        return True
+    raised, _RAISED.error = getattr(_RAISED, "error", None), None  # (no traceback kept past one look)
     return raised is error
+
+
+def _mark(error: BaseException) -> None:
+    try:
+        setattr(error, _FROM_TARGET, True)
+    except (AttributeError, TypeError):  # an exception class with __slots__
+        _RAISED.error = error
 
 
 def _before(t: torch.Tensor) -> Any:

@@ -246,12 +246,12 @@ def _mark_weights_external(proto: Any, location: str) -> None:
 
     inline = {TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8, TensorProto.UINT8,
               TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64, TensorProto.BOOL, TensorProto.STRING}
-    for tensor in _tensors(proto.graph):
+    for tensor in _graph_tensors(proto.graph):
         if tensor.data_type not in inline and tensor.HasField("raw_data"):
             set_external_data(tensor, location)
 
 
-def _tensors(graph: Any) -> Iterator[Any]:
+def _graph_tensors(graph: Any) -> Iterator[Any]:
     """The initializers and constant tensors of ``graph`` and of the graphs nested in its nodes."""
     yield from graph.initializer
     for node in graph.node:
@@ -260,6 +260,6 @@ def _tensors(graph: Any) -> Iterator[Any]:
                 yield attribute.t
             yield from attribute.tensors
             if attribute.HasField("g"):
-                yield from _tensors(attribute.g)
+                yield from _graph_tensors(attribute.g)
             for sub in attribute.graphs:
-                yield from _tensors(sub)
+                yield from _graph_tensors(sub)
