@@ -88,7 +88,7 @@ def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
         f(*w.inputs(w.size))
     assert f.state is cr.CompiledFunction.State.Compiled, f.recapture_reasons
     graph = current(f).graph()
-    session = session_for(str(current(f).folder.served))  # the file the compiled function serves (fused or not)
+    session = session_for(str(current(f).folder.opened))  # the file the compiled function serves (fused or not)
     feeds = {name: t.numpy() for name, t in zip(graph.input_names, inputs)}
     binding = floor_binding(session, feeds)
     variants: dict[str, Callable[[], Any]] = {}

@@ -65,7 +65,7 @@ def compare(name: str, rounds: int, seconds: float) -> str:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     # The file the compiled function serves (with onnxruntime's fused kernels when any applied).
-    session = ort.InferenceSession(str(capture.folder.served), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(capture.folder.opened), options, providers=["CPUExecutionProvider"])
     feeds = {n: t.numpy() for n, t in zip(graph.input_names, inputs)}
 
     def served() -> Any:
