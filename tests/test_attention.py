@@ -18,7 +18,7 @@ from conftest import current
 
 import clika_runtime as cr
 import serving
-from clika_runtime.capture import capture, fusing
+from clika_runtime.capture import assembly, fusing
 from clika_runtime.shipped.graph import GraphFolder
 
 
@@ -137,7 +137,7 @@ def test_a_fused_graph_onnxruntime_refuses_falls_back_to_the_portable_one(tmp_pa
     folder = GraphFolder.write(proto, tmp_path)
     (folder.path / GraphFolder.FUSED).write_bytes(b"not a model")
     assert folder.opened != folder.model
-    session = capture.open_served(folder, serving.resolve("cpu"), optimize=True, keep_optimized=False)
+    session = assembly.open_served(folder, serving.resolve("cpu"), optimize=True, keep_optimized=False)
     x = torch.randn(2, 4)
     (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     torch.testing.assert_close(torch.from_numpy(out), linear(x).detach())

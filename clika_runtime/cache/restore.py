@@ -20,9 +20,11 @@ from typing import Any
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.cache import diskcache, fingerprint
+from clika_runtime.capture import assembly
 from clika_runtime.capture import capture as capture_mod
 from clika_runtime.capture.plan import CapturePlan, Knowledge, declared_axes
 from clika_runtime.capture.target import Target
+from clika_runtime.capture.value import Capture
 from clika_runtime.format import graphfile, treedesc
 from clika_runtime.guards import json_form as guards
 from clika_runtime.shipped.graph import GraphFolder
@@ -102,11 +104,11 @@ def _ready(target: Target, plan: CapturePlan) -> Ready | None:
         return Ready(slot)
     folder = _linked(entry, slot)
     place = target.place_for(plan.call.feeds)
-    return Ready(slot, entry, folder, capture_mod.open_served(folder, place, target.optimize, keep_optimized=True))
+    return Ready(slot, entry, folder, assembly.open_served(folder, place, target.optimize, keep_optimized=True))
 
 
 def restore(slot: Slot, target: Target, plan: CapturePlan, out: Any,
-            ready: Ready | None = None) -> tuple[capture_mod.Capture, CapturePlan, dict] | None:
+            ready: Ready | None = None) -> tuple[Capture, CapturePlan, dict] | None:
     """The capture cached for ``plan``, verified against ``out``; ``None`` when there is none or
     it does not serve this call (a debug line says why). ``ready``: the lookup made ahead."""
     entry = ready.entry if ready is not None else slot.cache.load(slot.key)
@@ -114,7 +116,7 @@ def restore(slot: Slot, target: Target, plan: CapturePlan, out: Any,
         return None
     try:
         made, used = _made(entry, target, plan, out, slot, ready.folder if ready is not None else None)
-        capture = capture_mod.assemble(made, target.place_for(used.call.feeds), target.optimize, target.owner,
+        capture = assembly.assemble(made, target.place_for(used.call.feeds), target.optimize, target.owner,
                                        keep_optimized=True, session=ready.session if ready is not None else None)
     except Exception as e:  # stale, foreign or anything unforeseen: a cache entry is never an error
         logger.debug("disk cache: entry %s not used: %s: %s", slot.key, type(e).__name__, e)
@@ -123,7 +125,7 @@ def restore(slot: Slot, target: Target, plan: CapturePlan, out: Any,
     return capture, used, entry.meta
 
 
-def store(slot: Slot, capture: capture_mod.Capture, plan: CapturePlan, notes: list[str],
+def store(slot: Slot, capture: Capture, plan: CapturePlan, notes: list[str],
           static_axes: list[tuple[str, int]], unliftable: frozenset[int], graph_name: str) -> None:
     """Keep a new capture for later processes (an unwritable cache is turned off, said once)."""
     parts = capture.parts
@@ -158,7 +160,7 @@ def _made_by_the_trace(name: str, kind: str) -> bool:
 
 
 def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, slot: Slot,
-          folder: GraphFolder | None = None) -> tuple[capture_mod.Made, CapturePlan]:
+          folder: GraphFolder | None = None) -> tuple[assembly.Made, CapturePlan]:
     meta = entry.meta
     call = plan.call
     lifted = frozenset(meta["lifted"])
@@ -178,7 +180,7 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
     leaves = trees.flatten(out)[0]
     graph_leaves = [int(p) for p in meta["graph_leaves"]]
     folder = folder or _linked(entry, slot)
-    made = capture_mod.Made(
+    made = assembly.Made(
         plan=used, eager_out=out, folder=folder, guard=guard, graph_leaves=graph_leaves,
         constants={i: leaf for i, leaf in enumerate(leaves) if i not in graph_leaves},
         scalar_out={int(p): treedesc.SCALAR_TYPES[t] for p, t in meta["scalar_out"].items()},

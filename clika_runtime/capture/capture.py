@@ -3,7 +3,8 @@
 ``build`` turns a ``CapturePlan`` and the eager result of its call into a ``Capture``, or raises
 ``CaptureError`` saying why: any failure on the way (exporter, graph edits, onnxruntime, runner,
 verification) is a capture failure, so the caller always keeps the eager result it is owed.
-How a capture then serves calls (its hot-path closures) lives in ``hits.py``.
+The value is ``capture.value``; opening and verifying a written graph is ``capture.assembly``
+(shared with the disk cache); how a capture serves calls, ``capture.closures``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Callable, ContextManager, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import optree
 import torch
@@ -20,81 +20,28 @@ import torch
 import exporters
 import serving
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, UncapturableError, VerificationError, first_line
+from clika_runtime.base.errors import CaptureError, UncapturableError, first_line
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.base.version import VERSION
-from clika_runtime.capture import closures, fusing, hints
-from clika_runtime.capture.closures import Stats
+from clika_runtime.capture import fusing, hints
+from clika_runtime.capture.assembly import Made, assemble
 from clika_runtime.capture.plan import CapturePlan
-from clika_runtime.capture.verify import first_mismatch
+from clika_runtime.capture.value import Capture
 from clika_runtime.format import metadata, treedesc
 from clika_runtime.guards import json_form as guards
 from clika_runtime.guards.conditions import evaluate
 from clika_runtime.guards.guard import Guard, InputRule, dtype_name
 from clika_runtime.shipped import graph as graph_mod
-from clika_runtime.state.weights import Baked, bake
+from clika_runtime.state.weights import bake
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.calls import CallForms
-from clika_runtime.trees.key import CallKey, Described
 
 _SCALARS = {int: "int", float: "float", bool: "bool"}
 
 
 _monotonic = time.monotonic
 logger = logging.getLogger("clika_runtime")
-
-
-class Example(NamedTuple):
-    """What the guard reads of one input of the call a capture was made from."""
-
-    shape: tuple[int, ...] | None  # None: a lifted Python number (``value`` holds it)
-    dtype: Any
-    device: str
-    value: Any = None
-
-    @property
-    def is_cpu(self) -> bool:
-        """As ``torch.Tensor.is_cpu``."""
-        return self.device == "cpu"
-
-
-@dataclass(frozen=True, repr=False)
-class Capture:
-    """A verified graph for one cache key, the guard saying which calls it may serve, and the
-    closures that serve them (``run``: fed leaves -> output tree; ``flat``: the flat hit)."""
-
-    key: CallKey
-    described: Described
-    names: tuple[str, ...]
-    positions: tuple[int, ...]  # canonical leaf positions of the fed leaves
-    dynamic: tuple[dict[int, str | None], ...]
-    guard: Guard
-    example: tuple[Example, ...]
-    baked: tuple[Baked, ...]
-    folder: graph_mod.GraphFolder  # the graph's file, for take_graph() / graphs() and the disk cache
-    outputs: tuple[TensorInfo, ...]  # the graph outputs
-    parts: closures.Parts
-    stats: Stats
-    run: Callable[[Sequence[Any]], Any]
-    flat: Callable[[tuple], Any] | None
-    finish: Callable[[Any, tuple, dict], Any] | None = None  # a served call's KV-cache write-back (kvcache.writeback)
-
-    def __repr__(self) -> str:
-        return f"<Capture {', '.join(map(str, self.guard.inputs))}>"
-
-    def graph(self) -> graph_mod.ModelGraph:
-        """The capture's graph to hand out: a copy, carrying the guard as it stands now (with
-        the sizes 0/1 verified since the capture)."""
-        graph = graph_mod.ModelGraph.load(self.folder.model)
-        metadata.attach(graph.model_proto, {metadata.META_GUARD: guards.to_json(self.guard)})
-        return graph
-
-    def verified_at(self, feeds: Sequence[Any]) -> "Capture":
-        """This capture, also serving the point of ``feeds`` (checked against eager by the caller)."""
-        guard = self.guard.with_verified(feeds)
-        run, flat = closures.closures(self.parts, guard, self.key, self.positions, self.stats)
-        return replace(self, guard=guard, run=run, flat=flat)
 
 
 def build(
@@ -153,100 +100,6 @@ def _build(
     made = Made(plan, eager_out, folder, guard, list(exported.graph_leaves), dict(exported.constants), scalar_out,
                 names, baked, outputs, phases)
     return assemble(made, place, optimize, owner, keep_optimized=work_dir is not None)
-
-
-@dataclass
-class Made:
-    """What a capture is made of, from a fresh export or from the on-disk cache."""
-
-    plan: CapturePlan
-    eager_out: Any
-    folder: graph_mod.GraphFolder
-    guard: Guard
-    graph_leaves: list[int]  # output positions the graph computes
-    constants: dict[int, Any]  # the other output leaves, by position
-    scalar_out: dict[int, type]  # graph outputs returned as Python numbers
-    names: list[str]  # a name per output leaf
-    baked: tuple[Baked, ...]
-    outputs: tuple[TensorInfo, ...]
-    phases: dict[str, float]
-
-
-def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.Module | None,
-             keep_optimized: bool = False, session: Any = None) -> Capture:
-    """Open the session of a written graph (unless ``session``, opened by ``open_served``, is
-    given), make its closures, and verify it against eager.
-
-    ``keep_optimized``: the folder keeps onnxruntime's optimised model for this machine, and a
-    folder that has one opens it without optimising again (the slow part of opening a big model).
-    """
-    call = made.plan.call
-    feeds = list(call.feeds)
-    eager_leaves, out_spec = trees.flatten(made.eager_out)
-    graph_outputs = [made.names[pos] for pos in made.graph_leaves]
-    started = time.perf_counter()
-    session = session or open_served(made.folder, place, optimize, keep_optimized)
-    device = next((t.device for t in feeds if isinstance(t, torch.Tensor)), None)
-    runner = serving.TorchRunner(
-        session, place, call.names, graph_outputs,
-        [t.dtype if isinstance(t, torch.Tensor) else torch.int64 for t in feeds]
-        + [leaf.dtype for leaf in eager_leaves if isinstance(leaf, torch.Tensor)],
-        input_device=device,
-    )
-    made.phases["session"] = time.perf_counter() - started
-    parts = closures.Parts(runner, out_spec, eager_leaves, made.constants, made.graph_leaves, made.scalar_out,
-                       tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner)
-    stats = Stats(phases=made.phases)
-    run, flat = closures.closures(parts, made.guard, call.key, call.positions, stats)
-    capture = Capture(
-        key=call.key, described=call.described, names=call.names, positions=call.positions,
-        dynamic=tuple(dict(d) for d in made.plan.dynamic), guard=made.guard, example=examples(feeds),
-        baked=made.baked, folder=made.folder, outputs=made.outputs, parts=parts, stats=stats, run=run, flat=flat,
-        finish=kvcache.writeback(call.canonical, made.eager_out),
-    )
-    started = time.perf_counter()
-    try:
-        _verify(capture, feeds, eager_leaves, made.names)
-    except VerificationError:
-        if not made.folder.drop_fused():
-            raise
-        logger.debug("the fused graph disagrees with eager: serving the portable one")
-        return assemble(made, place, optimize, owner, keep_optimized)
-    made.phases["verify"] = time.perf_counter() - started
-    stats.hits = 0  # the verification run served no call
-    return capture
-
-
-def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
-    """The session of the file a folder serves (``GraphFolder.opened``); ``CaptureError`` when
-    onnxruntime takes neither the fused nor the portable graph."""
-    optimized = folder.optimized(serving.machine_tag(place))
-    threads = config.session_threads()
-
-    def opened(path: Any, level: bool | None, keep: Any = None) -> Any:
-        return serving.open_session(str(path), place, optimize=level, intra_op_threads=threads, keep_optimized=keep)
-
-    try:
-        if keep_optimized and optimize and optimized.is_file():
-            return opened(optimized, None)
-        keep = str(optimized) if keep_optimized and optimize else None
-        if folder.opened != folder.model:
-            try:
-                return opened(folder.opened, optimize, keep)
-            except Exception as e:  # the rewriter's graph is not one onnxruntime takes: serve the portable one
-                logger.debug("onnxruntime refused the fused graph, serving the portable one: %s", first_line(e))
-                folder.drop_fused()
-        return opened(folder.model, optimize, keep)
-    except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
-        raise CaptureError(f"onnxruntime could not load the exported graph: {first_line(e)}") from e
-
-
-def examples(feeds: Sequence[Any]) -> tuple[Example, ...]:
-    """What the guard reads of each fed leaf, kept without the tensors themselves."""
-    return tuple(
-        Example(tuple(f.shape), f.dtype, str(f.device)) if isinstance(f, torch.Tensor) else Example(None, type(f), "cpu", f)
-        for f in feeds
-    )
 
 
 def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> Callable[..., list[Any]]:
@@ -387,17 +240,6 @@ def _settled(tree: tuple, dims: Sequence[tuple[int | str, ...] | None]) -> bool:
     if not reads_inputs(resolved):
         return True
     return resolved[0] in ("eq", "le", "ge", "ne", "lt", "gt") and len(resolved) == 3 and resolved[1] == resolved[2]
-
-
-def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: list[str]) -> None:
-    try:
-        served = capture.run(feeds)
-    except Exception as e:  # onnxruntime failed on the very inputs the graph was exported from
-        raise VerificationError(f"the graph failed on the capturing call's inputs: {first_line(e)}") from e
-    # The tree is rebuilt from the eager structure by construction; leaves are what can differ.
-    problem = first_mismatch(names, eager_leaves, trees.flatten(served)[0])
-    if problem:
-        raise VerificationError(f"the graph disagrees with eager: {problem}")
 
 
 def _metadata(

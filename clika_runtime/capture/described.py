@@ -9,7 +9,7 @@ from clika_runtime.base.specs import TensorInfo
 from clika_runtime.shipped.describe import CaptureInfo, guard_text
 
 if TYPE_CHECKING:
-    from clika_runtime.capture.capture import Capture
+    from clika_runtime.capture.value import Capture
 
 
 def describe(capture: "Capture") -> CaptureInfo:

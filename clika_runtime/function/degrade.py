@@ -28,6 +28,7 @@ from clika_runtime.cache import restore
 from clika_runtime.capture import capture as capture_mod
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.target import Target
+from clika_runtime.capture.value import Capture
 from clika_runtime.function.planning import learned_static, unlifted, variant_static
 from clika_runtime.guards.guard import SPECIAL_BELOW
 from clika_runtime.state.weights import watch_registrations
@@ -41,7 +42,7 @@ PROGRESS_AFTER = 2.0  # seconds a capture runs before it says what it is doing
 class Attempt:
     """A capture that succeeded, the plan that made it, and what the retries gave up on the way."""
 
-    capture: capture_mod.Capture
+    capture: Capture
     plan: CapturePlan
     notes: list[str]
     static_axes: list[tuple[str, int]]
@@ -177,7 +178,7 @@ def _specialised(target: Target, plan: CapturePlan) -> list[str]:
     ]
 
 
-def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> capture_mod.Capture:
+def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Capture:
     inputs = set(plan.call.names)
     return capture_mod.build(
         plan, out, target=target.fn, forms=target.forms, owner=target.owner, output_names=target.output_names,

@@ -25,7 +25,7 @@ from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, ClikaError, VerificationError, first_line
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
-from clika_runtime.capture.capture import Capture
+from clika_runtime.capture.value import Capture
 from clika_runtime.capture.closures import RunFailed
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
 from clika_runtime.capture.target import Target, target_raised

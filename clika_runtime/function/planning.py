@@ -25,7 +25,7 @@ from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import Lifted, closest, explain
 
 if TYPE_CHECKING:
-    from clika_runtime.capture.capture import Capture
+    from clika_runtime.capture.value import Capture
 
 _Tensor = torch.Tensor
 

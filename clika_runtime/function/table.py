@@ -21,7 +21,7 @@ from clika_runtime.state.weights import Watch
 from clika_runtime.trees.key import CallKey, Described
 
 if TYPE_CHECKING:
-    from clika_runtime.capture.capture import Capture
+    from clika_runtime.capture.value import Capture
 
 # Graphs kept per key for sizes on either side of a branch the trace took (`if seq == 1:`), and for
 # sizes 0/1 the dynamic graph does not handle, so calls alternating across them stop re-capturing.

@@ -1,0 +1,126 @@
+"""Assembly of a written graph into a ``Capture``: open its session (the fused graph or the
+portable one), make its closures, verify it against eager. Shared by a fresh export
+(``capture.build``) and a graph from the disk cache (``cache.restore``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import serving
+from clika_runtime.base.config import config
+from clika_runtime.base.errors import CaptureError, VerificationError, first_line
+from clika_runtime.base.specs import TensorInfo
+from clika_runtime.capture import closures
+from clika_runtime.capture.closures import Stats
+from clika_runtime.capture.plan import CapturePlan
+from clika_runtime.capture.value import Capture, examples
+from clika_runtime.capture.verify import first_mismatch
+from clika_runtime.guards.guard import Guard
+from clika_runtime.shipped import graph as graph_mod
+from clika_runtime.state.weights import Baked
+from clika_runtime.trees import kvcache
+from clika_runtime.trees import pytrees as trees
+
+logger = logging.getLogger("clika_runtime")
+
+
+@dataclass
+class Made:
+    """What a capture is made of, from a fresh export or from the on-disk cache."""
+
+    plan: CapturePlan
+    eager_out: Any
+    folder: graph_mod.GraphFolder
+    guard: Guard
+    graph_leaves: list[int]  # output positions the graph computes
+    constants: dict[int, Any]  # the other output leaves, by position
+    scalar_out: dict[int, type]  # graph outputs returned as Python numbers
+    names: list[str]  # a name per output leaf
+    baked: tuple[Baked, ...]
+    outputs: tuple[TensorInfo, ...]
+    phases: dict[str, float]
+
+
+def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.Module | None,
+             keep_optimized: bool = False, session: Any = None) -> Capture:
+    """Open the session of a written graph (unless ``session``, opened by ``open_served``, is
+    given), make its closures, and verify it against eager.
+
+    ``keep_optimized``: the folder keeps onnxruntime's optimised model for this machine, and a
+    folder that has one opens it without optimising again (the slow part of opening a big model).
+    """
+    call = made.plan.call
+    feeds = list(call.feeds)
+    eager_leaves, out_spec = trees.flatten(made.eager_out)
+    graph_outputs = [made.names[pos] for pos in made.graph_leaves]
+    started = time.perf_counter()
+    session = session or open_served(made.folder, place, optimize, keep_optimized)
+    device = next((t.device for t in feeds if isinstance(t, torch.Tensor)), None)
+    runner = serving.TorchRunner(
+        session, place, call.names, graph_outputs,
+        [t.dtype if isinstance(t, torch.Tensor) else torch.int64 for t in feeds]
+        + [leaf.dtype for leaf in eager_leaves if isinstance(leaf, torch.Tensor)],
+        input_device=device,
+    )
+    made.phases["session"] = time.perf_counter() - started
+    parts = closures.Parts(runner, out_spec, eager_leaves, made.constants, made.graph_leaves, made.scalar_out,
+                       tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner)
+    stats = Stats(phases=made.phases)
+    run, flat = closures.closures(parts, made.guard, call.key, call.positions, stats)
+    capture = Capture(
+        key=call.key, described=call.described, names=call.names, positions=call.positions,
+        dynamic=tuple(dict(d) for d in made.plan.dynamic), guard=made.guard, example=examples(feeds),
+        baked=made.baked, folder=made.folder, outputs=made.outputs, parts=parts, stats=stats, run=run, flat=flat,
+        finish=kvcache.writeback(call.canonical, made.eager_out),
+    )
+    started = time.perf_counter()
+    try:
+        _verify(capture, feeds, eager_leaves, made.names)
+    except VerificationError:
+        if not made.folder.drop_fused():
+            raise
+        logger.debug("the fused graph disagrees with eager: serving the portable one")
+        return assemble(made, place, optimize, owner, keep_optimized)
+    made.phases["verify"] = time.perf_counter() - started
+    stats.hits = 0  # the verification run served no call
+    return capture
+
+
+def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
+    """The session of the file a folder serves (``GraphFolder.opened``); ``CaptureError`` when
+    onnxruntime takes neither the fused nor the portable graph."""
+    optimized = folder.optimized(serving.machine_tag(place))
+    threads = config.session_threads()
+
+    def opened(path: Any, level: bool | None, keep: Any = None) -> Any:
+        return serving.open_session(str(path), place, optimize=level, intra_op_threads=threads, keep_optimized=keep)
+
+    try:
+        if keep_optimized and optimize and optimized.is_file():
+            return opened(optimized, None)
+        keep = str(optimized) if keep_optimized and optimize else None
+        if folder.opened != folder.model:
+            try:
+                return opened(folder.opened, optimize, keep)
+            except Exception as e:  # the rewriter's graph is not one onnxruntime takes: serve the portable one
+                logger.debug("onnxruntime refused the fused graph, serving the portable one: %s", first_line(e))
+                folder.drop_fused()
+        return opened(folder.model, optimize, keep)
+    except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
+        raise CaptureError(f"onnxruntime could not load the exported graph: {first_line(e)}") from e
+
+
+def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: list[str]) -> None:
+    try:
+        served = capture.run(feeds)
+    except Exception as e:  # onnxruntime failed on the very inputs the graph was exported from
+        raise VerificationError(f"the graph failed on the capturing call's inputs: {first_line(e)}") from e
+    # The tree is rebuilt from the eager structure by construction; leaves are what can differ.
+    problem = first_mismatch(names, eager_leaves, trees.flatten(served)[0])
+    if problem:
+        raise VerificationError(f"the graph disagrees with eager: {problem}")

@@ -1,0 +1,80 @@
+"""``Capture``: a verified graph for one cache key, its guard and the closures that serve it, as
+one immutable value; and the examples a capture was made from (what its guard is checked against
+when a later capture may supersede it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from clika_runtime.base.specs import TensorInfo
+from clika_runtime.capture import closures
+from clika_runtime.capture.closures import Stats
+from clika_runtime.format import metadata
+from clika_runtime.guards import json_form as guards
+from clika_runtime.guards.guard import Guard
+from clika_runtime.shipped import graph as graph_mod
+from clika_runtime.state.weights import Baked
+from clika_runtime.trees.key import CallKey, Described
+
+
+class Example(NamedTuple):
+    """What the guard reads of one input of the call a capture was made from."""
+
+    shape: tuple[int, ...] | None  # None: a lifted Python number (``value`` holds it)
+    dtype: Any
+    device: str
+    value: Any = None
+
+    @property
+    def is_cpu(self) -> bool:
+        """As ``torch.Tensor.is_cpu``."""
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True, repr=False)
+class Capture:
+    """A verified graph for one cache key, the guard saying which calls it may serve, and the
+    closures that serve them (``run``: fed leaves -> output tree; ``flat``: the flat hit)."""
+
+    key: CallKey
+    described: Described
+    names: tuple[str, ...]
+    positions: tuple[int, ...]  # canonical leaf positions of the fed leaves
+    dynamic: tuple[dict[int, str | None], ...]
+    guard: Guard
+    example: tuple[Example, ...]
+    baked: tuple[Baked, ...]
+    folder: graph_mod.GraphFolder  # the graph's file, for take_graph() / graphs() and the disk cache
+    outputs: tuple[TensorInfo, ...]  # the graph outputs
+    parts: closures.Parts
+    stats: Stats
+    run: Callable[[Sequence[Any]], Any]
+    flat: Callable[[tuple], Any] | None
+    finish: Callable[[Any, tuple, dict], Any] | None = None  # a served call's KV-cache write-back (kvcache.writeback)
+
+    def __repr__(self) -> str:
+        return f"<Capture {', '.join(map(str, self.guard.inputs))}>"
+
+    def graph(self) -> graph_mod.ModelGraph:
+        """The capture's graph to hand out: a copy, carrying the guard as it stands now (with
+        the sizes 0/1 verified since the capture)."""
+        graph = graph_mod.ModelGraph.load(self.folder.model)
+        metadata.attach(graph.model_proto, {metadata.META_GUARD: guards.to_json(self.guard)})
+        return graph
+
+    def verified_at(self, feeds: Sequence[Any]) -> "Capture":
+        """This capture, also serving the point of ``feeds`` (checked against eager by the caller)."""
+        guard = self.guard.with_verified(feeds)
+        run, flat = closures.closures(self.parts, guard, self.key, self.positions, self.stats)
+        return replace(self, guard=guard, run=run, flat=flat)
+
+
+def examples(feeds: Sequence[Any]) -> tuple[Example, ...]:
+    """What the guard reads of each fed leaf, kept without the tensors themselves."""
+    return tuple(
+        Example(tuple(f.shape), f.dtype, str(f.device)) if isinstance(f, torch.Tensor) else Example(None, type(f), "cpu", f)
+        for f in feeds
+    )
