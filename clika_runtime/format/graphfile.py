@@ -279,3 +279,17 @@ def existing(path: str | os.PathLike, *, folders: bool = False) -> Path:
     if not (path.exists() if folders else path.is_file()):
         raise GraphFileError(f"{path}: no such file")
     return path
+
+
+def read_checked(path: str | os.PathLike) -> tuple[Path, Any]:
+    """A graph file checked as untrusted bytes (``check``), then read without its external data:
+    the path and the ``onnx.ModelProto``; ``GraphFileError`` for a file that is missing, reaches
+    outside its folder, or is not a readable model."""
+    import onnx
+
+    path = existing(path)
+    check(path)
+    try:
+        return path, onnx.load_model(str(path), load_external_data=False)
+    except Exception as e:
+        raise GraphFileError(f"{path}: not a readable ONNX model (truncated or corrupt?): {e}") from e

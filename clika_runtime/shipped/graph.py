@@ -17,7 +17,7 @@ from typing import Any, Iterator, Literal, Mapping
 from clika_runtime.base.errors import GraphFileError
 from clika_runtime.base.specs import PlaceLike
 from clika_runtime.format import graphfile, metadata
-from clika_runtime.format.graphfile import existing, too_big
+from clika_runtime.format.graphfile import too_big
 from clika_runtime.format.interface import interface
 
 
@@ -135,12 +135,7 @@ class ModelGraph:
         folder); ``GraphFileError`` for a file that reaches outside it or whose metadata is malformed."""
         import onnx
 
-        path = existing(path)
-        graphfile.check(path)
-        try:
-            proto = onnx.load_model(str(path), load_external_data=False)
-        except Exception as e:
-            raise GraphFileError(f"{path}: not a readable ONNX model (truncated or corrupt?): {e}") from e
+        path, proto = graphfile.read_checked(path)
         try:
             onnx.load_external_data_for_model(proto, str(path.parent))
         except FileNotFoundError as e:

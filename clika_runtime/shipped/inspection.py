@@ -11,7 +11,6 @@ from typing import Any, Mapping, Sequence
 
 from clika_runtime.base.errors import GraphFileError
 from clika_runtime.format import graphfile
-from clika_runtime.format.graphfile import existing
 from clika_runtime.format.interface import Port, interface
 from clika_runtime.shipped.describe import describe_graph
 from clika_runtime.triton.checker import latest_model
@@ -20,17 +19,10 @@ from clika_runtime.triton.rules import CONFIG_FILE, MODEL_FILE
 
 def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
     """What a graph holds: inputs/outputs with dtypes and named dims, opset, nodes, size, metadata."""
-    import onnx
-
     path = Path(path)
     if path.is_dir():
         raise GraphFileError(f"{path}: a folder, not a graph file: {what_to_pass(path, takes_model_folder=False)}")
-    path = existing(path)
-    graphfile.check(path)
-    try:
-        model = onnx.load_model(str(path), load_external_data=False)
-    except Exception as e:
-        raise GraphFileError(f"{path}: not a readable ONNX model (truncated or corrupt?): {e}") from e
+    path, model = graphfile.read_checked(path)
     nodes = list(model.graph.node)
     data = [path.parent / location for location in _external_files(model)]
     try:
