@@ -7,9 +7,7 @@ outside it (``lifecycle``), and swaps in the table that results. Nothing else li
 
 from __future__ import annotations
 
-import copy
 import threading
-import types
 from typing import Any, Callable, Generic, Mapping, ParamSpec, Sequence, TypeVar
 
 import torch
@@ -21,6 +19,7 @@ from clika_runtime.capture.described import describe
 from clika_runtime.capture.plan import Options
 from clika_runtime.capture.target import Target
 from clika_runtime.function import hits, lifecycle
+from clika_runtime.function.copies import Copies
 from clika_runtime.function.table import CacheTable, State, fallen_back
 from clika_runtime.shipped.describe import CaptureInfo
 from clika_runtime.shipped.graph import ModelGraph
@@ -34,7 +33,7 @@ _MISS = MISS
 _general = hits.general
 
 
-class CompiledFunction(Generic[P, R]):
+class CompiledFunction(Copies, Generic[P, R]):
     """A callable whose first call returns the eager result and records an ONNX graph; later
     calls with the same structure and fitting shapes run that graph in onnxruntime, without
     calling Python.
@@ -93,34 +92,15 @@ class CompiledFunction(Generic[P, R]):
         output_names: Sequence[str] | None = None,
         graph_name: str | None = None,
     ) -> None:
-        if not callable(target):
-            raise TypeError(f"compile: expected a callable, got {type(target).__name__}")
-        signature = tuple(signature)
-        for i, spec in enumerate(signature):
-            if not isinstance(spec, TensorSpec):
-                raise TypeError(f"signature[{i}]: expected TensorSpec, got {type(spec).__name__}")
-        axes = _normalise_axes(dynamic_axes or {})
-        if dynamic is False and (axes or any(not isinstance(d, int) for s in signature for d in s.shape)):
-            raise ValueError("dynamic=False cannot be combined with dynamic_axes or dynamic signature dims")
-        owner = _owner_module(target)
-        wrapped = Target(
-            fn=target,
-            owner=owner,
-            forms=CallForms(target.forward if isinstance(target, torch.nn.Module) else target),
-            options=Options(signature, dynamic, axes, specialize),
-            fullgraph=bool(fullgraph),
-            optimize=optimize is not False,
-            place=resolve_place(place) if place is not None else None,
-            output_names=None if output_names is None else tuple(output_names),
-            graph_name=graph_name or _default_name(target),
-            name=getattr(target, "__name__", type(target).__name__),
-        )
-        self._options = {"signature": signature, "dynamic": dynamic, "fullgraph": fullgraph, "optimize": optimize,
+        wrapped = _target(target, signature=tuple(signature), dynamic=dynamic, fullgraph=fullgraph, optimize=optimize,
+                          specialize=specialize, place=place, dynamic_axes=dynamic_axes, output_names=output_names,
+                          graph_name=graph_name)
+        self._options = {"signature": wrapped.options.signature, "dynamic": dynamic, "fullgraph": fullgraph, "optimize": optimize,
                          "specialize": specialize, "place": place, "dynamic_axes": dynamic_axes,
                          "output_names": output_names, "graph_name": graph_name}  # for copies
         self._lifecycle = lifecycle.Lifecycle(wrapped, threading.RLock())
         self._forms = wrapped.forms
-        self._owner = owner
+        self._owner = wrapped.owner
         self._shapes_in_key = wrapped.options.shapes_in_key
         self.__wrapped__ = target
         self.__name__ = wrapped.name
@@ -238,33 +218,6 @@ class CompiledFunction(Generic[P, R]):
             self._lifecycle.swap(fallen_back(table, "graph taken by take_graph(); serving eagerly until reset()"))
             return graph
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._attribute = name  # a method in a class body: where __get__ keeps each instance's own
-
-    def __get__(self, instance: Any, owner: type | None = None) -> Any:
-        """``@cr.compile`` on a method in a class body binds like a method (as ``@torch.compile``
-        does): each instance gets its own compiled function over its bound method, kept in the
-        instance's ``__dict__`` under the method's name, so the instance owns it and the two go
-        together (the cycle through the bound method is the garbage collector's to free)."""
-        if instance is None or not isinstance(self.__wrapped__, types.FunctionType):
-            return self
-        bound = CompiledFunction(self.__wrapped__.__get__(instance, owner), **self._options)
-        try:
-            vars(instance)[getattr(self, "_attribute", self.__name__)] = bound
-        except TypeError:  # no instance __dict__ (__slots__): a compiled function per access
-            pass
-        return bound
-
-    def __deepcopy__(self, memo: dict) -> "CompiledFunction[P, R]":
-        """A fresh function (nothing captured) over a deep copy of the target, with the same
-        options: a copied model (an EMA or teacher copy) captures its own weights."""
-        return CompiledFunction(copy.deepcopy(self.__wrapped__, memo), **self._options)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as the target and the options; unpickled fresh, nothing captured (graphs
-        ship with ``take_graph()``)."""
-        return _compiled_again, (self.__wrapped__, self._options)
-
     def __repr__(self) -> str:
         table: CacheTable = self._lifecycle.table
         return f"<CompiledFunction {self.__name__} {table.state.name}, {len(table.captures)} capture(s)>"
@@ -273,8 +226,30 @@ class CompiledFunction(Generic[P, R]):
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def _compiled_again(target: Callable[..., Any], options: dict[str, Any]) -> CompiledFunction:
-    return CompiledFunction(target, **options)
+def _target(target: Any, *, signature: tuple[TensorSpec, ...], dynamic: bool | None, fullgraph: bool,
+            optimize: bool | None, specialize: bool | None, place: PlaceLike, dynamic_axes: DynamicAxes | None,
+            output_names: Sequence[str] | None, graph_name: str | None) -> Target:
+    """``compile()``'s arguments checked and resolved once (a bad one raises here, naming it)."""
+    if not callable(target):
+        raise TypeError(f"compile: expected a callable, got {type(target).__name__}")
+    for i, spec in enumerate(signature):
+        if not isinstance(spec, TensorSpec):
+            raise TypeError(f"signature[{i}]: expected TensorSpec, got {type(spec).__name__}")
+    axes = _normalise_axes(dynamic_axes or {})
+    if dynamic is False and (axes or any(not isinstance(d, int) for s in signature for d in s.shape)):
+        raise ValueError("dynamic=False cannot be combined with dynamic_axes or dynamic signature dims")
+    return Target(
+        fn=target,
+        owner=_owner_module(target),
+        forms=CallForms(target.forward if isinstance(target, torch.nn.Module) else target),
+        options=Options(signature, dynamic, axes, specialize),
+        fullgraph=bool(fullgraph),
+        optimize=optimize is not False,
+        place=resolve_place(place) if place is not None else None,
+        output_names=None if output_names is None else tuple(output_names),
+        graph_name=graph_name or _default_name(target),
+        name=getattr(target, "__name__", type(target).__name__),
+    )
 
 
 def _owner_module(target: Any) -> torch.nn.Module | None:

@@ -10,13 +10,9 @@ capture that finishes for an older generation is dropped, never installed.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
-import traceback
-import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -25,18 +21,17 @@ from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, ClikaError, VerificationError, first_line
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
-from clika_runtime.capture.value import Capture
 from clika_runtime.capture.closures import RunFailed
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
 from clika_runtime.capture.target import Target, target_raised
+from clika_runtime.capture.value import Capture
 from clika_runtime.capture.verify import first_mismatch
 from clika_runtime.function import degrade, staleness
+from clika_runtime.function.fallbacks import Fallbacks, differentiating, mutation
 from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget, planned,
 )
-from clika_runtime.function.table import (
-    CacheTable, State, empty, fallen_back, with_capture, with_refused, with_replaced, without,
-)
+from clika_runtime.function.table import CacheTable, State, empty, with_capture, with_replaced, without
 from clika_runtime.state import weights
 from clika_runtime.state.snapshot import Snapshot
 from clika_runtime.trees import kvcache
@@ -46,7 +41,7 @@ from clika_runtime.trees.key import CallKey, Unkeyable
 logger = logging.getLogger("clika_runtime")
 
 
-class Lifecycle:
+class Lifecycle(Fallbacks):
     """The mutable heart of one ``CompiledFunction``: its current table and the miss path."""
 
     def __init__(self, target: Target, lock: threading.RLock) -> None:
@@ -83,23 +78,6 @@ class Lifecycle:
             doing = "capturing this call" if progress.ran else "planning this call"
             result = (lambda: progress.out) if progress.ran else (lambda: self.target.eager(args, kwargs))
             return self.internal_error(error, doing, result, progress.call)
-
-    def internal_error(self, error: Exception, doing: str, result: Callable[[], Any], call: Call | None = None) -> Any:
-        """An exception of the library's own code (a bug): the call is served eagerly, with a
-        warning that names what failed, once; its key (when known) serves eagerly from now on.
-        ``fullgraph=True`` raises ``CaptureError`` with the cause chained."""
-        name = self.target.name
-        where = _innermost(error)
-        why = (f"clika_runtime failed {doing} ({type(error).__name__}: {first_line(error)}, in {where}); "
-               "this is a bug in clika_runtime: please report it with this message")
-        if self.target.fullgraph:
-            raise CaptureError(f"{name}: {why}") from error
-        logger.debug("%s: %s", name, why, exc_info=error)
-        if call is not None:
-            with self.lock:
-                self.table = with_refused(self.table, call.key, call.described.words(), why)
-        self._eager_because(f"{why}; served eagerly")
-        return result()
 
     def _miss(self, args: tuple, kwargs: dict, progress: "_Progress") -> Any:
         if self.table.last is None and self.table.state is State.Pending:
@@ -155,7 +133,7 @@ class Lifecycle:
             self._unkeyable(str(e))
             return Eager(), None, table.generation
         if torch.is_grad_enabled() and (needing := weights.needing_grad(target.fn, target.owner)):
-            self._eager_because(_differentiating(needing))
+            self._eager_because(differentiating(needing))
             return Eager(), call, table.generation
         decision = decide(table, call, target.options, target.owner)
         if isinstance(decision, (CapturePlan, Verify)):
@@ -186,7 +164,7 @@ class Lifecycle:
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
             progress.ran, progress.out = True, out
             if mutated:
-                return self._refuse(plan.call, _mutation(mutated), generation, lambda: out)
+                return self._refuse(plan.call, mutation(mutated), generation, lambda: out)
         else:
             (out,) = eager
         with TARGETS.shared():
@@ -243,7 +221,7 @@ class Lifecycle:
         out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
         progress.ran, progress.out = True, out
         if mutated:
-            return self._refuse(plan.call, _mutation(mutated), generation, lambda: out)
+            return self._refuse(plan.call, mutation(mutated), generation, lambda: out)
         if _blank(plan.call.feeds):  # zeros agree with either side of a branch: wait for a call that tells
             return out
         problem = _disagreement(capture, plan.call.feeds, out)
@@ -263,48 +241,6 @@ class Lifecycle:
 
     # ------------------------------------------------------------------------------- giving up
 
-    def _give_up(self, why: str, generation: int, result: Callable[[], Any]) -> Any:
-        """Fallback to eager with a warning that says why; ``fullgraph=True`` raises instead."""
-        name = self.target.name
-        if self.target.fullgraph:
-            raise CaptureError(f"{name}: {why}") from None
-        with self.lock:
-            if self.table.generation == generation and self.table.state is not State.Fallback:
-                self.table = fallen_back(self.table, why)
-                logger.info("%s serves eagerly until reset(): %s", name, why)
-                warnings.warn(f"clika_runtime: {name} serves eagerly until reset(): {why}", stacklevel=_user_level())
-        return result()
-
-    def _refuse(self, call: Call, why: str, generation: int, result: Callable[[], Any]) -> Any:
-        """This call's key serves eagerly until ``reset()``, with a warning that says why; the
-        other keys keep capturing (torch.compile falls back per frame). ``fullgraph=True`` raises."""
-        name = self.target.name
-        if self.target.fullgraph:
-            raise CaptureError(f"{name}: {why}") from None
-        with self.lock:
-            if self.table.generation == generation and call.key not in self.table.refused:
-                words = call.described.words()
-                self.table = with_refused(self.table, call.key, words, why)
-                logger.info("%s serves eagerly until reset(), for calls with the key %s: %s", name, words, why)
-                warnings.warn(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key "
-                              f"({words}): {why}; calls with other keys still capture", stacklevel=_user_level())
-        return result()
-
-    def _unkeyable(self, why: str) -> None:
-        if self.target.fullgraph:
-            raise CaptureError(f"{self.target.name}: {why}; pass it as a tensor or a hashable value")
-        with self.lock:
-            if None not in self.table.refused:  # what f.state and f.fallback_reason say while nothing serves
-                self.table = with_refused(self.table, None, "calls that cannot be keyed", f"{why}; such calls serve eagerly")
-        self._eager_because(f"{why}; serving this call eagerly")
-
-    def _eager_because(self, why: str) -> None:
-        """Say once (per reason) why calls serve eagerly without capturing."""
-        if why not in self._warned:
-            self._warned.add(why)
-            logger.info("%s: %s", self.target.name, why)
-            warnings.warn(f"clika_runtime: {self.target.name}: {why}", stacklevel=_user_level())
-
 
 @dataclass
 class _Progress:
@@ -314,18 +250,6 @@ class _Progress:
     call: Call | None = None
     ran: bool = False
     out: Any = None
-
-
-_OURS = tuple(f"{os.sep}{top}{os.sep}" for top in ("clika_runtime", "exporters", "serving"))
-
-
-def _innermost(error: BaseException) -> str:
-    """Where in the library an exception was raised: its innermost frame in our code."""
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        marks = [m for m in _OURS if m in frame.filename]
-        if marks:
-            return f"{frame.filename[frame.filename.rindex(marks[0]) + 1:]}:{frame.lineno} {frame.name}"
-    return "an unknown place"
 
 
 def _covers(new: Capture, old: Capture) -> bool:
@@ -363,22 +287,3 @@ def _unwatched(capture: Capture, written: staleness.Written) -> list[str]:
         notes.append(f"{staleness.words(written)} written by the target itself: not watched, "
                      "and served calls do not write it")
     return notes
-
-
-def _differentiating(needing: list[str]) -> str:
-    return (f"grad mode is on and the weights require grad ({staleness.listed(needing, repr)}): a graph's outputs cannot carry "
-            "gradients back, so such calls run eagerly (backward() works as without clika_runtime); serve "
-            "inference under torch.inference_mode() or torch.no_grad(), or freeze the weights "
-            "(model.requires_grad_(False))")
-
-
-def _mutation(names: list[str]) -> str:
-    return f"input mutation: the call modified input(s) {names} in place, which a graph cannot reproduce"
-
-
-def _user_level() -> int:
-    """The ``stacklevel`` that points a warning at the user's call, past our own frames."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("clika_runtime"):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -1,0 +1,125 @@
+"""How a function says it serves eagerly, and records it: a key refused (its capture failed), the
+whole function in Fallback (the budget), a call that cannot be keyed, a bug of the library's own.
+Each is said once, as a warning pointed at the user's call, and on the ``clika_runtime`` logger;
+``fullgraph=True`` raises ``CaptureError`` instead.
+
+``Fallbacks`` is the part of ``Lifecycle`` that does it (it reads and swaps the same table under
+the same lock); the messages shared with the miss path are the functions below it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import traceback
+import warnings
+from typing import Any, Callable
+
+from clika_runtime.base.errors import CaptureError, first_line
+from clika_runtime.capture.plan import Call
+from clika_runtime.capture.target import Target
+from clika_runtime.function import staleness
+from clika_runtime.function.table import CacheTable, State, fallen_back, with_refused
+
+logger = logging.getLogger("clika_runtime")
+
+
+class Fallbacks:
+    """Serving eagerly, said once: what ``Lifecycle`` does when a call will not be served by a graph."""
+
+    target: Target
+    lock: threading.RLock
+    table: CacheTable
+    _warned: set[str]
+
+    def internal_error(self, error: Exception, doing: str, result: Callable[[], Any], call: Call | None = None) -> Any:
+        """An exception of the library's own code (a bug): the call is served eagerly, with a
+        warning that names what failed, once; its key (when known) serves eagerly from now on.
+        ``fullgraph=True`` raises ``CaptureError`` with the cause chained."""
+        name = self.target.name
+        where = innermost(error)
+        why = (f"clika_runtime failed {doing} ({type(error).__name__}: {first_line(error)}, in {where}); "
+               "this is a bug in clika_runtime: please report it with this message")
+        if self.target.fullgraph:
+            raise CaptureError(f"{name}: {why}") from error
+        logger.debug("%s: %s", name, why, exc_info=error)
+        if call is not None:
+            with self.lock:
+                self.table = with_refused(self.table, call.key, call.described.words(), why)
+        self._eager_because(f"{why}; served eagerly")
+        return result()
+
+    def _give_up(self, why: str, generation: int, result: Callable[[], Any]) -> Any:
+        """Fallback to eager with a warning that says why; ``fullgraph=True`` raises instead."""
+        name = self.target.name
+        if self.target.fullgraph:
+            raise CaptureError(f"{name}: {why}") from None
+        with self.lock:
+            if self.table.generation == generation and self.table.state is not State.Fallback:
+                self.table = fallen_back(self.table, why)
+                logger.info("%s serves eagerly until reset(): %s", name, why)
+                warnings.warn(f"clika_runtime: {name} serves eagerly until reset(): {why}", stacklevel=_user_level())
+        return result()
+
+    def _refuse(self, call: Call, why: str, generation: int, result: Callable[[], Any]) -> Any:
+        """This call's key serves eagerly until ``reset()``, with a warning that says why; the
+        other keys keep capturing (torch.compile falls back per frame). ``fullgraph=True`` raises."""
+        name = self.target.name
+        if self.target.fullgraph:
+            raise CaptureError(f"{name}: {why}") from None
+        with self.lock:
+            if self.table.generation == generation and call.key not in self.table.refused:
+                words = call.described.words()
+                self.table = with_refused(self.table, call.key, words, why)
+                logger.info("%s serves eagerly until reset(), for calls with the key %s: %s", name, words, why)
+                warnings.warn(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key "
+                              f"({words}): {why}; calls with other keys still capture", stacklevel=_user_level())
+        return result()
+
+    def _unkeyable(self, why: str) -> None:
+        if self.target.fullgraph:
+            raise CaptureError(f"{self.target.name}: {why}; pass it as a tensor or a hashable value")
+        with self.lock:
+            if None not in self.table.refused:  # what f.state and f.fallback_reason say while nothing serves
+                self.table = with_refused(self.table, None, "calls that cannot be keyed", f"{why}; such calls serve eagerly")
+        self._eager_because(f"{why}; serving this call eagerly")
+
+    def _eager_because(self, why: str) -> None:
+        """Say once (per reason) why calls serve eagerly without capturing."""
+        if why not in self._warned:
+            self._warned.add(why)
+            logger.info("%s: %s", self.target.name, why)
+            warnings.warn(f"clika_runtime: {self.target.name}: {why}", stacklevel=_user_level())
+
+
+_OURS = tuple(f"{os.sep}{top}{os.sep}" for top in ("clika_runtime", "exporters", "serving"))
+
+
+def innermost(error: BaseException) -> str:
+    """Where in the library an exception was raised: its innermost frame in our code."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        marks = [m for m in _OURS if m in frame.filename]
+        if marks:
+            return f"{frame.filename[frame.filename.rindex(marks[0]) + 1:]}:{frame.lineno} {frame.name}"
+    return "an unknown place"
+
+
+def differentiating(needing: list[str]) -> str:
+    return (f"grad mode is on and the weights require grad ({staleness.listed(needing, repr)}): a graph's outputs cannot carry "
+            "gradients back, so such calls run eagerly (backward() works as without clika_runtime); serve "
+            "inference under torch.inference_mode() or torch.no_grad(), or freeze the weights "
+            "(model.requires_grad_(False))")
+
+
+def mutation(names: list[str]) -> str:
+    return f"input mutation: the call modified input(s) {names} in place, which a graph cannot reproduce"
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` that points a warning at the user's call, past our own frames."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("clika_runtime"):
+        frame, level = frame.f_back, level + 1
+    return level
