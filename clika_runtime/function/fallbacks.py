@@ -83,7 +83,8 @@ class Fallbacks:
             raise CaptureError(f"{self.target.name}: {why}; pass it as a tensor or a hashable value")
         with self.lock:
             if None not in self.table.refused:  # what f.state and f.fallback_reason say while nothing serves
-                self.table = with_refused(self.table, None, "calls that cannot be keyed", f"{why}; such calls serve eagerly")
+                self.table = with_refused(self.table, None, "calls that cannot be keyed",
+                                          f"{why}; such calls serve eagerly")
         self._eager_because(f"{why}; serving this call eagerly")
 
     def _eager_because(self, why: str) -> None:
@@ -107,8 +108,8 @@ def innermost(error: BaseException) -> str:
 
 
 def differentiating(needing: list[str]) -> str:
-    return (f"grad mode is on and the weights require grad ({staleness.listed(needing, repr)}): a graph's outputs cannot carry "
-            "gradients back, so such calls run eagerly (backward() works as without clika_runtime); serve "
+    return (f"grad mode is on and the weights require grad ({staleness.listed(needing, repr)}): a graph's outputs "
+            "cannot carry gradients back, so such calls run eagerly (backward() works as without clika_runtime); serve "
             "inference under torch.inference_mode() or torch.no_grad(), or freeze the weights "
             "(model.requires_grad_(False))")
 
