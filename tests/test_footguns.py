@@ -173,7 +173,7 @@ def test_branches_on_dynamic_sizes_are_rechecked_on_every_call():
     assert f.recapture_count == 1 and len(f.captures) == 2
 
 
-def test_a_graph_failing_on_inputs_its_guard_accepts_gives_eagers_error_then_recaptures():
+def test_a_graph_failing_on_inputs_its_guard_accepts_gives_eagers_error_and_serves_on():
     table = torch.nn.Embedding(10, 4).eval()
     f = cr.compile(table)
     with torch.no_grad():
@@ -181,8 +181,8 @@ def test_a_graph_failing_on_inputs_its_guard_accepts_gives_eagers_error_then_rec
         with pytest.raises(IndexError):  # onnxruntime fails on the bad index; eager says why
             f(torch.tensor([1, 12]))
         torch.testing.assert_close(f(torch.tensor([3, 4])), table(torch.tensor([3, 4])))
-    assert f.recapture_reasons[0].startswith("the graph failed on these inputs")
-    assert f.state is State.Compiled
+    # The inputs were bad, not the graph (eager raised on them too): it serves on, re-exported never.
+    assert f.recapture_reasons == [] and f.state is State.Compiled and f.captures[0].hits >= 1
 
 
 def test_calls_under_inference_mode_capture_and_inference_tensor_mutation_is_caught():

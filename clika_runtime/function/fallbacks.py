@@ -119,8 +119,9 @@ def mutation(names: list[str]) -> str:
 
 
 def _user_level() -> int:
-    """The ``stacklevel`` that points a warning at the user's call, past our own frames."""
+    """The ``stacklevel`` that points a warning at the user's call, past our own frames and
+    torch's (``nn.Module.__call__`` on the way to a compiled ``forward``)."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("clika_runtime"):
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("clika_runtime", "torch.")):
         frame, level = frame.f_back, level + 1
     return level

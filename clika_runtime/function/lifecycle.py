@@ -102,13 +102,23 @@ class Lifecycle(Fallbacks):
                 self._inflight.discard(token)
 
     def run_failed(self, failed: RunFailed, args: tuple, kwargs: dict) -> Any:
-        """A graph failed on inputs its guard accepted: drop it, serve this call as a miss."""
+        """A graph failed on inputs its guard accepted: drop it, serve this call as a miss (which
+        re-captures from it); when the target raises on them too, the graph is kept."""
         if TARGETS.exclusive_here():  # fake tensors of an export in this thread, not a failure
             return self.target.fn(*args, **kwargs)
         with self.lock:
             why = f"the graph failed on these inputs ({first_line(failed.error)}); re-captured from them"
-            self.table = without(self.table, [failed.capture], pending=why, spends=True)
-        return self.miss(args, kwargs)
+            kept = self.table
+            dropped = self.table = without(kept, [failed.capture], pending=why, spends=True)
+        try:
+            return self.miss(args, kwargs)
+        except BaseException as error:
+            # The target raised on these inputs too (an id past the end): they were bad, not the
+            # graph, which serves on (a bad request stream must not re-export it, nor spend the budget).
+            with self.lock:
+                if target_raised(error) and self.table is dropped:
+                    self.table = kept
+            raise
 
     def _recall(self) -> None:
         """Before a function's first capture: what an earlier process learned about it (read

@@ -177,6 +177,8 @@ def _spent(spent: Sequence[str]) -> str:
     kinds: dict[str, int] = {}
     for reason in spent:
         kind = reason.split(":")[0]
+        if kind.count("(") > kind.count(")"):  # "the graph failed on these inputs (Error in execution"
+            kind = kind[:kind.index(" (")]
         kind += " before its graph served a call" if kind in _UNSERVED else ""
         kinds[kind] = kinds.get(kind, 0) + 1
     return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda item: -item[1]))
