@@ -325,6 +325,19 @@ SETTINGS = textwrap.dedent("""
     LIMIT = float(os.environ.get("CLIKA_TEST_LIMIT", "{limit}"))
     FILE = os.path.join(os.path.dirname(__file__), "limit.txt")
     CONFIG = {{"clamp": {{"limit": LIMIT}}}}
+    NAME = "CLIKA_TEST_LIMIT"
+
+
+    class Settings:
+        def __init__(self, limit):
+            self.limit = limit
+
+
+    class Limits:
+        LIMIT = float(os.environ.get("CLIKA_TEST_LIMIT", "{limit}"))
+
+
+    OBJECT = Settings(LIMIT)
 
     def limit():
         return LIMIT
@@ -352,6 +365,18 @@ READERS = textwrap.dedent("""
         def forward(self, x):
             return x.clamp(max={settings}.CONFIG["clamp"]["limit"])
 
+    class ReadsObject(torch.nn.Module):
+        def forward(self, x):
+            return x.clamp(max={settings}.OBJECT.limit)
+
+    class ReadsClass(torch.nn.Module):
+        def forward(self, x):
+            return x.clamp(max={settings}.Limits.LIMIT)
+
+    class ReadsNamedVariable(torch.nn.Module):
+        def forward(self, x):
+            return x.clamp(max=float(os.environ.get({settings}.NAME, "10")))
+
     class ReadsEnvironment(torch.nn.Module):
         def forward(self, x):
             return x.clamp(max=float(os.environ.get("CLIKA_TEST_LIMIT", "10")))
@@ -368,6 +393,9 @@ _READ_FROM = {  # the reader, how the value changes between the two "processes"
     "a helper in another module": ("ReadsHelper", "environment"),
     "a value imported from another module": ("ReadsImported", "environment"),
     "a dict in another module": ("ReadsDict", "environment"),
+    "an object's attribute in another module": ("ReadsObject", "environment"),
+    "a class attribute in another module": ("ReadsClass", "environment"),
+    "a variable named in another module, read from the environment": ("ReadsNamedVariable", "environment"),
     "the environment at call time": ("ReadsEnvironment", "environment"),
     "a file at call time": ("ReadsFile", "file"),
 }

@@ -217,7 +217,7 @@ def _sources(fn: Any) -> str:
     files |= {v for v in named.values() if _names_a_file(v)} | {v for m in modules for v in vars(m).values()
                                                                  if _names_a_file(v)}
     methods = sorted(_function(f) for f in functions)
-    return "|".join(values + methods + _environment(functions)
+    return "|".join(values + methods + _environment(functions, named)
                     + [f"{path}:{_file_digest(path)}" for path in sorted(p for p in files if p)])
 
 
@@ -226,7 +226,7 @@ _REACHED = 256  # functions followed at most: a key, not a whole-program walk
 
 def _reached(functions: list[types.FunctionType]) -> tuple[list[types.FunctionType], dict, set]:
     """``functions`` and the user's functions they reach through globals and modules they name,
-    with the globals and module attributes they read, by (module, name), and those modules' files."""
+    with what they read there, by (where, name), and the files of the user's modules and classes."""
     seen, queue, named, files = [], list(functions), {}, set()
     while queue and len(seen) < _REACHED:
         f = queue.pop()
@@ -235,18 +235,33 @@ def _reached(functions: list[types.FunctionType]) -> tuple[list[types.FunctionTy
         seen.append(f)
         attributes = _all_names(f.__code__)
         for n in global_names(f.__code__):
-            if n not in f.__globals__:
-                continue
-            value = named[(f.__module__, n)] = f.__globals__[n]
-            if isinstance(value, types.FunctionType) and _user_code(value):
-                queue.append(value)
-            elif isinstance(value, types.ModuleType) and _user_code(value):
-                files.add(getattr(value, "__file__", None))
-                for a in attributes & set(vars(value)):  # settings.LIMIT, settings.limit()
-                    read = named[(value.__name__, a)] = vars(value)[a]
-                    if isinstance(read, types.FunctionType) and _user_code(read):
-                        queue.append(read)
+            if n in f.__globals__:
+                value = named[(f.__module__, n)] = f.__globals__[n]
+                _read_from(f"{f.__module__}.{n}", value, attributes, named, queue, files)
     return seen, named, files
+
+
+def _read_from(where: str, value: Any, attributes: set[str], named: dict, queue: list, files: set,
+               depth: int = 2) -> None:
+    """What code reads of ``value`` by the attribute names it uses (``settings.LIMIT``,
+    ``CONFIG.scale``, ``Conf.K``, ``settings.CONFIG.scale``: two levels), into ``named``; the user's
+    functions it reaches join ``queue``."""
+    if isinstance(value, types.FunctionType):
+        if _user_code(value):
+            queue.append(value)
+        return
+    if depth == 0 or isinstance(value, torch.nn.Module):  # (a module's weights and attributes are keyed apart)
+        return
+    if isinstance(value, (types.ModuleType, type)):
+        if not _user_code(value):
+            return
+        files.add(getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else _file(value))
+    elif not isinstance(getattr(value, "__dict__", None), dict):
+        return
+    space = vars(value)  # a module's globals, a class's attributes, an object's (a config, a namespace)
+    for a in attributes & set(space):
+        named[(where, a)] = space[a]
+        _read_from(f"{where}.{a}", space[a], attributes, named, queue, files, depth - 1)
 
 
 def _all_names(code: types.CodeType) -> set[str]:
@@ -269,14 +284,15 @@ def _user_code(code: Any) -> bool:
     return ours and "-packages" + os.sep not in path
 
 
-def _environment(functions: list[types.FunctionType]) -> list[str]:
+def _environment(functions: list[types.FunctionType], named: dict) -> list[str]:
     """The environment variables the functions may read by name (``os.environ.get("LIMIT")``,
-    ``os.getenv(...)``): every string constant of a function that reads the environment."""
-    values = []
-    for f in functions:
-        if {"environ", "getenv"} & _all_names(f.__code__):
-            values += [f"${c}={os.environ.get(c)!r}" for c in _strings(f.__code__)]
-    return sorted(set(values))
+    ``os.getenv(NAME)``): when one reads the environment, every string constant of it and every
+    string value they name."""
+    readers = [f for f in functions if {"environ", "getenv"} & _all_names(f.__code__)]
+    if not readers:
+        return []
+    names = {c for f in readers for c in _strings(f.__code__)} | {v for v in named.values() if isinstance(v, str)}
+    return sorted(f"${c}={os.environ.get(c)!r}" for c in names if 0 < len(c) < 256)
 
 
 def _strings(code: types.CodeType) -> Iterable[str]:
