@@ -82,3 +82,38 @@ def test_frozen_weights_are_served_in_grad_mode_until_they_are_unfrozen():
     assert out.requires_grad
     out.sum().backward()
     assert model[2].weight.grad is not None
+
+
+_SCALE = torch.nn.Parameter(torch.randn(4))
+
+
+class _Holder:
+    """A plain object (not a module) whose method reads a trainable tensor of its own."""
+
+    def __init__(self) -> None:
+        self.w = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.w
+
+
+def _scaled(h: torch.Tensor) -> torch.Tensor:
+    return h * _SCALE
+
+
+@pytest.mark.parametrize("case", ["a global Parameter", "a plain object's Parameter"])
+def test_trainable_tensors_outside_modules_keep_their_gradient_after_serving(case):
+    holder = _Holder()
+    fn, leaf = (_scaled, _SCALE) if case == "a global Parameter" else (holder.forward, holder.w)
+    f = cr.compile(fn)
+    h = torch.randn(2, 4)
+    with torch.no_grad():
+        f(h)
+        f(h)
+    assert f.captures[0].hits == 1
+    leaf.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = f(h)  # grad mode on: the trainable tensor needs its gradient
+    out.sum().backward()
+    torch.testing.assert_close(leaf.grad, h.sum(0))

@@ -158,6 +158,9 @@ def bake(
     """
     closures = _closure_places(target)
     reached = _reached_tensors(target, owner) if constants else {}
+    # torch.export bakes a closed-over Parameter as a tensor of its own over the same memory: found by layout
+    laid = {_layout(live): (where, live, lookup) for where, lookup in closures.values()
+            if isinstance(live := _lookup(lookup), torch.Tensor)} if constants else {}
     baked = []
     for name, tensor in {**state, **constants}.items():
         lookup = _module_lookup(owner, name) if owner is not None else None
@@ -166,6 +169,9 @@ def bake(
         elif id(tensor) in closures:
             where, lookup = closures[id(tensor)]
             baked.append(Baked.of(where, tensor, lookup, rebinds=True))
+        elif _layout(tensor) in laid:
+            where, live, lookup = laid[_layout(tensor)]
+            baked.append(Baked.of(where, live, lookup, rebinds=True))
         elif _layout(tensor) in reached:  # the exporter's own tensor over a module's memory: watch the module's
             where, live, lookup = reached[_layout(tensor)]
             baked.append(Baked.of(where, live, lookup, reached=True))
@@ -250,13 +256,19 @@ def closure_lookup(target: Any, name: str) -> Callable[[], Any] | None:
 
 
 def _closure_places(target: Any) -> dict[int, tuple[str, Callable[[], Any]]]:
-    """Tensors the target's function reads from its closure or globals: id -> (name, lookup)."""
+    """Tensors the target's function reads from its closure or globals, or (a method of a plain
+    object) from its object's attributes: id -> (name, lookup)."""
     fn = getattr(target, "forward", target)
+    places: dict[int, tuple[str, Callable[[], Any]]] = {}
+    holder = getattr(fn, "__self__", None)
+    if holder is not None and not isinstance(holder, torch.nn.Module) and isinstance(getattr(holder, "__dict__", None), dict):
+        for name, value in vars(holder).items():  # ``self.w`` of a method's object: rebound like a cell
+            if isinstance(value, torch.Tensor):
+                places[id(value)] = (f"self.{name}", lambda holder=holder, name=name: getattr(holder, name))
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if code is None:
         return {}
-    places: dict[int, tuple[str, Callable[[], Any]]] = {}
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
         value = _cell_value(cell)
         if isinstance(value, torch.Tensor):
