@@ -43,9 +43,10 @@ class CompiledFunction(Copies, Generic[P, R]):
     capture per key, the least recently used dropped past ``config.cache_size``); a call whose
     shapes drift from a capture serves eagerly and re-captures with the drifted axes dynamic.
     Past ``config.recapture_limit`` wasted re-captures (drift, numbers that vary, graphs dropped
-    before they served), or when a capture fails (the exporter refuses, the graph disagrees with
-    eager, the call mutated an input), the function serves eagerly until ``reset()``, with a
-    warning that says why (``fullgraph=True`` raises instead).
+    before they served) the function serves eagerly until ``reset()``; a capture that fails (the
+    exporter refuses, the graph disagrees with eager, the call mutated an input) makes its own key
+    serve eagerly (``eager_keys``) while the others keep capturing. A warning says why, once
+    (``fullgraph=True`` raises instead).
 
     Every new graph is run on the inputs that produced it and compared with the eager result
     before it serves anything. Graphs serve inference: outputs never require grad, and a call
