@@ -15,6 +15,7 @@ import numpy as np
 import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import ClikaError, GraphFileError, GraphInputError, GraphRunError, PlaceError
+from clika_runtime.base.slots import KEYWORD, MISSING, slotted
 from clika_runtime.base.specs import PlaceLike, TensorInfo, resolve_place
 from clika_runtime.format import graphfile, metadata, treedesc
 from clika_runtime.format.graphfile import existing
@@ -174,21 +175,13 @@ class ServedGraph:
         slots = self._inputs["children"][0]["children"]
         if not kwargs or len(args) >= len(slots):
             return args, kwargs
-        moved, filled = [], []
-        for i in range(len(args), len(slots)):
-            name = self._parameters[i] if i < len(self._parameters) else None
-            if name in kwargs:
-                moved.append(name)
-                filled.append(kwargs[name])
-            elif slots[i].get("kind") == "const":
-                filled.append(slots[i]["value"])
-            elif _empty_cache(slots[i]) is not None:
-                filled.append(_empty_cache(slots[i]))
-            else:
-                break
-        if not moved:
+        positional = [self._parameters[i] if i < len(self._parameters) else None for i in range(len(slots))]
+        planned = slotted(positional, len(args), tuple(kwargs), lambda i, _: _captured(slots[i]), to_the_end=True)
+        if planned is None:
             return args, kwargs
-        return args + tuple(filled), {k: v for k, v in kwargs.items() if k not in moved}
+        added, moved = planned
+        return (args + tuple(kwargs[n] if v is KEYWORD else v for n, v in added),
+                {k: v for k, v in kwargs.items() if k not in moved})
 
     def _run_torch(self, feeds: Sequence[Any]) -> list[Any]:
         import torch
@@ -198,6 +191,15 @@ class ServedGraph:
             dtypes = [t.dtype for t in tensors] + [o.dtype for o in self._declared[1]]
             self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
         return self._torch.run(tensors)
+
+
+def _captured(slot: Mapping[str, Any]) -> Any:
+    """What a skipped slot of a shipped call takes: the constant it was captured with, or the
+    empty cache of a prefill; ``MISSING`` when neither."""
+    if slot.get("kind") == "const":
+        return slot["value"]
+    empty = _empty_cache(slot)
+    return MISSING if empty is None else empty
 
 
 def _empty_cache(description: Mapping[str, Any]) -> tuple | None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+from clika_runtime.base.slots import KEYWORD, MISSING, slotted
+
 _EMPTY = inspect.Parameter.empty
-_KW = object()  # plan entry: take this slot from the keyword arguments
 
 Plan = tuple[tuple[tuple[str, Any], ...], tuple[str, ...]]  # (positional slots to add, keywords left)
 
@@ -57,27 +58,29 @@ class CallForms:
         if plan is None:
             return args, kwargs
         slots, rest = plan
-        extra = tuple(kwargs[name] if source is _KW else source for name, source in slots)
+        extra = tuple(kwargs[name] if source is KEYWORD else source for name, source in slots)
         return args + extra, {k: kwargs[k] for k in rest}
 
     def _plan(self, nargs: int, names: tuple[str, ...]) -> Plan | None:
         movable = [n for n in names if n in self.positional[nargs:]]
-        slots: list[tuple[str, Any]] = []
+        slots: tuple[tuple[str, Any], ...] = ()
         if movable:
-            last = max(self.positional.index(n) for n in movable)
-            for name in self.positional[nargs : last + 1]:
-                if name in names:
-                    slots.append((name, _KW))
-                elif name in self.defaults and not _is_tensor(self.defaults[name]):
-                    slots.append((name, self.defaults[name]))
-                else:  # a required parameter is missing (the target raises), or a tensor default
-                    return None
+            planned = slotted(self.positional, nargs, names, self._default)
+            if planned is None:  # a required parameter is missing (the target raises), or a tensor default
+                return None
+            slots = planned[0]
         # Keyword-only parameters in declaration order, then what lands in **kwargs as given.
         declared = [n for n in self.keyword_only if n in names]
         rest = declared + [n for n in names if n not in movable and n not in self.keyword_only]
         if not slots and tuple(rest) == names:
             return None
         return tuple(slots), tuple(rest)
+
+    def _default(self, index: int, name: str | None) -> Any:
+        """A skipped slot's value: its parameter's default (a tensor default would become a graph
+        input the user never passes: such forms stay as given)."""
+        default = self.defaults.get(name, MISSING) if name is not None else MISSING
+        return MISSING if default is MISSING or _is_tensor(default) else default
 
     def argument_name(self, index: int) -> str:
         """The parameter name of positional argument ``index`` (``args_2`` past the named ones)."""
@@ -87,7 +90,6 @@ class CallForms:
 
 
 def _is_tensor(value: Any) -> bool:
-    # A tensor default would become a graph input the user never passes: such forms stay as given.
     return type(value).__module__.startswith("torch") and hasattr(value, "shape")
 
 
