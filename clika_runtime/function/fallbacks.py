@@ -15,11 +15,13 @@ import sys
 import threading
 import traceback
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from clika_runtime.base.errors import CaptureError, first_line
+from clika_runtime.base.errors import CaptureError, ClikaError, first_line
+from clika_runtime.base.sharing import TARGETS
 from clika_runtime.capture.plan import Call
-from clika_runtime.capture.target import Target
+from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.function import staleness
 from clika_runtime.function.table import CacheTable, State, fallen_back, with_refused
 
@@ -33,6 +35,25 @@ class Fallbacks:
     lock: threading.RLock
     table: CacheTable
     _warned: set[str]
+
+    def _miss(self, args: tuple, kwargs: dict, progress: "Progress") -> Any:
+        raise NotImplementedError  # Lifecycle's: the miss itself
+
+    def miss(self, args: tuple, kwargs: dict) -> Any:
+        """Serve a call no hit served: plan under the lock, act outside it. The target's own
+        exceptions reach the caller unchanged; one of the library's own ends in the eager result
+        (``internal_error``), and the target never runs twice for one call."""
+        if TARGETS.exclusive_here():  # called inside an export in this thread: be traced through
+            return self.target.fn(*args, **kwargs)
+        progress = Progress()
+        try:
+            return self._miss(args, kwargs, progress)
+        except Exception as error:
+            if target_raised(error) or isinstance(error, ClikaError):  # a signature error, fullgraph's refusal
+                raise
+            doing = "capturing this call" if progress.ran else "planning this call"
+            result = (lambda: progress.out) if progress.ran else (lambda: self.target.eager(args, kwargs))
+            return self.internal_error(error, doing, result, progress.call)
 
     def internal_error(self, error: Exception, doing: str, result: Callable[[], Any], call: Call | None = None) -> Any:
         """An exception of the library's own code (a bug): the call is served eagerly, with a
@@ -93,6 +114,16 @@ class Fallbacks:
             self._warned.add(why)
             logger.info("%s: %s", self.target.name, why)
             warnings.warn(f"clika_runtime: {self.target.name}: {why}", stacklevel=_user_level())
+
+
+@dataclass
+class Progress:
+    """How far one miss got, for its boundary: the call it planned, and the eager result once
+    the target ran (an error after that returns it: the target never runs twice for one call)."""
+
+    call: Call | None = None
+    ran: bool = False
+    out: Any = None
 
 
 _OURS = tuple(f"{os.sep}{top}{os.sep}" for top in ("clika_runtime", "exporters", "serving"))

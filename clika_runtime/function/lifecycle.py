@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from clika_runtime.base import memory
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, ClikaError, VerificationError, first_line
+from clika_runtime.base.errors import CaptureError, VerificationError, first_line
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
 from clika_runtime.capture.closures import RunFailed
@@ -27,7 +27,7 @@ from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.capture.value import Capture
 from clika_runtime.capture.verify import first_mismatch
 from clika_runtime.function import degrade, staleness
-from clika_runtime.function.fallbacks import Fallbacks, differentiating, mutation
+from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiating, mutation
 from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget, planned,
 )
@@ -63,23 +63,7 @@ class Lifecycle(Fallbacks):
 
     # ---------------------------------------------------------------------------------- the miss
 
-    def miss(self, args: tuple, kwargs: dict) -> Any:
-        """Serve a call no hit served: plan under the lock, act outside it. The target's own
-        exceptions reach the caller unchanged; one of the library's own ends in the eager result
-        (``internal_error``), and the target never runs twice for one call."""
-        if TARGETS.exclusive_here():  # called inside an export in this thread: be traced through
-            return self.target.fn(*args, **kwargs)
-        progress = _Progress()
-        try:
-            return self._miss(args, kwargs, progress)
-        except Exception as error:
-            if target_raised(error) or isinstance(error, ClikaError):  # a signature error, fullgraph's refusal
-                raise
-            doing = "capturing this call" if progress.ran else "planning this call"
-            result = (lambda: progress.out) if progress.ran else (lambda: self.target.eager(args, kwargs))
-            return self.internal_error(error, doing, result, progress.call)
-
-    def _miss(self, args: tuple, kwargs: dict, progress: "_Progress") -> Any:
+    def _miss(self, args: tuple, kwargs: dict, progress: "Progress") -> Any:
         if self.table.last is None and self.table.state is State.Pending:
             self._recall()
         with self.lock:
@@ -164,7 +148,7 @@ class Lifecycle(Fallbacks):
 
     # ------------------------------------------------------------------------------ capturing
 
-    def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, progress: "_Progress",
+    def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, progress: "Progress",
                  eager: Any = None) -> Any:
         """Capture ``plan`` from its call (``eager``: its result when already in hand, as a 1-tuple)."""
         with TARGETS.shared():
@@ -225,7 +209,7 @@ class Lifecycle(Fallbacks):
                                   knowledge=knowledge, notes=attempt.notes, limit=config.cache_size, snapshot=snapshot)
         return knowledge if knowledge.learned != table.knowledge.learned else None
 
-    def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int, progress: "_Progress") -> Any:
+    def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int, progress: "Progress") -> Any:
         """Sizes the graph was not traced for: keep it for them if it agrees with eager there."""
         plan, capture = decision.otherwise, decision.capture
         out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
@@ -250,16 +234,6 @@ class Lifecycle(Fallbacks):
         return self._capture(plan, args, kwargs, generation, progress, eager=(out,))
 
     # ------------------------------------------------------------------------------- giving up
-
-
-@dataclass
-class _Progress:
-    """How far one miss got, for its boundary: the call it planned, and the eager result once
-    the target ran (an error after that returns it: the target never runs twice for one call)."""
-
-    call: Call | None = None
-    ran: bool = False
-    out: Any = None
 
 
 def _covers(new: Capture, old: Capture) -> bool:
