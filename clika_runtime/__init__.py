@@ -23,6 +23,7 @@ from clika_runtime.base.errors import (
     StateError,
     VerificationError,
 )
+from clika_runtime.base.precision import Agreement
 from clika_runtime.base.version import VERSION as __version__
 from clika_runtime.shipped.graph import ModelGraph
 from clika_runtime.shipped.served import load
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from clika_runtime.entry import compile
 
 __all__ = [
+    "Agreement",
     "CaptureError",
     "ClikaError",
     "CompiledFunction",

@@ -1,4 +1,5 @@
-"""The public surface: exactly what DESIGN.md names, each with a docstring and type hints."""
+"""The public surface: exactly what DESIGN.md names (and ``Agreement``, issue 24's ``agreement=``),
+each with a docstring and type hints."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import clika_runtime as cr
 EXPECTED = {
     "compile", "load", "CompiledFunction", "ModelGraph", "TensorSpec", "DynamicAxes", "PlaceLike", "config",
     "ClikaError", "CaptureError", "VerificationError", "PlaceError", "StateError", "SignatureError",
-    "SignatureValueError", "GraphInputError", "GraphFileError", "GraphRunError", "DeployError",
+    "SignatureValueError", "GraphInputError", "GraphFileError", "GraphRunError", "DeployError", "Agreement",
 }
 
 
@@ -46,5 +47,5 @@ def test_state_is_nested_and_matches_the_spec():
     assert [s.name for s in State] == ["Pending", "Compiled", "Fallback"]
     parameters = inspect.signature(cr.CompiledFunction.__init__).parameters
     assert list(parameters) == ["self", "target", "signature", "dynamic", "fullgraph", "optimize", "specialize",
-                                "place", "dynamic_axes", "output_names", "graph_name"]
+                                "place", "dynamic_axes", "output_names", "graph_name", "precision", "agreement"]
     assert cr.config.cache_size == 8 and cr.config.recapture_limit == 8

@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clika_runtime.base.precision import Agreement
+
 AUTO = "auto"
 
 
@@ -29,6 +31,9 @@ class Config:
         cache_size: captures kept per compiled function (least recently used dropped past it).
         recapture_limit: re-captures allowed before the function serves eagerly until ``reset()``.
         tolerances: ``{dtype name: (rtol, atol)}`` used when a new graph is verified against eager.
+        agreement: how closely a reduced-precision graph (``precision="int8"``/``"fp16"``) must
+            agree with eager fp32 to serve, for functions compiled without ``agreement=``
+            (``Agreement()``: cosine >= 0.999 per float output, integer outputs exact).
         intra_op_threads: onnxruntime's intra-op threads for new sessions; ``None`` follows
             ``torch.get_num_threads()`` (or onnxruntime's default where torch is absent).
         cache_dir: the on-disk capture cache, shared by processes: ``"auto"`` (the default) is
@@ -45,6 +50,7 @@ class Config:
     recapture_limit: int = 8
     intra_op_threads: int | None = None
     tolerances: dict[str, tuple[float, float]] = field(default_factory=_default_tolerances)
+    agreement: Agreement = field(default_factory=Agreement)
     cache_dir: str | os.PathLike | None = AUTO
     cache_max_bytes: int = 4 * 2**30
     progress: bool | str = AUTO

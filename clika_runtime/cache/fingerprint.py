@@ -28,6 +28,7 @@ from typing import Any, Iterable
 
 import torch
 
+from clika_runtime.base.precision import FP32
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.base.version import VERSION
 from clika_runtime.capture.plan import CapturePlan
@@ -165,7 +166,8 @@ def _versions() -> str:
 def _options(target: Target) -> str:
     o = target.options
     return repr((o.signature, o.dynamic, sorted((k, sorted(v.items())) for k, v in o.dynamic_axes.items()),
-                 o.specialize, target.optimize, target.output_names, target.graph_name))
+                 o.specialize, target.optimize, target.output_names, target.graph_name, target.precision,
+                 target.agreement_now() if target.precision != FP32 else None))
 
 
 def _code(fn: Any) -> str:

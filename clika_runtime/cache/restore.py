@@ -186,6 +186,7 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
         scalar_out={int(p): treedesc.SCALAR_TYPES[t] for p, t in meta["scalar_out"].items()},
         names=capture_mod.output_names_of(out, leaves, target.output_names),
         baked=tuple(baked), outputs=tuple(TensorInfo(n, d, tuple(s)) for n, d, s in meta["outputs"]), phases={},
+        precision=target.precision, agreement=target.agreement_now(),
     )
     return made, used
 

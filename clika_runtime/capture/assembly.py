@@ -1,12 +1,16 @@
-"""Assembly of a written graph into a ``Capture``: open its session (the fused graph or the
-portable one), make its closures, verify it against eager. Shared by a fresh export
-(``capture.build``) and a graph from the disk cache (``cache.restore``)."""
+"""Assembly of a written graph into a ``Capture``: open its session (the reduced-precision graph,
+the fused graph or the portable one), make its closures, verify it against eager. Shared by a
+fresh export (``capture.build``) and a graph from the disk cache (``cache.restore``).
+
+A graph that fails verification gives way to the next: a reduced-precision graph whose agreement
+with eager falls short to the fp32 graph (the capture says why: ``Capture.precision_note``), the
+fused graph to the portable one."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -14,12 +18,13 @@ import torch
 import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
+from clika_runtime.base.precision import FP32, Agreement, Record
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.capture import closures
 from clika_runtime.capture.closures import Stats
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.value import Capture, examples
-from clika_runtime.capture.verify import first_mismatch
+from clika_runtime.capture.verify import agreement_of, first_mismatch
 from clika_runtime.guards.guard import Guard
 from clika_runtime.shipped import graph as graph_mod
 from clika_runtime.state.weights import Baked
@@ -44,6 +49,9 @@ class Made:
     baked: tuple[Baked, ...]
     outputs: tuple[TensorInfo, ...]
     phases: dict[str, float]
+    precision: str = FP32  # asked for; a reduced one serves only from ``folder.reduced``, if it agrees
+    agreement: Agreement = Agreement()
+    precision_note: str | None = None  # why the asked precision does not serve
 
 
 def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.Module | None,
@@ -72,23 +80,28 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
                        tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner)
     stats = Stats(phases=made.phases)
     run, flat = closures.closures(parts, made.guard, call.key, call.positions, stats)
+    reduced = made.precision != FP32 and made.folder.opened == made.folder.reduced
     capture = Capture(
         key=call.key, described=call.described, names=call.names, positions=call.positions,
         dynamic=tuple(dict(d) for d in made.plan.dynamic), guard=made.guard, example=examples(feeds),
         baked=made.baked, folder=made.folder, outputs=made.outputs, parts=parts, stats=stats, run=run, flat=flat,
-        finish=kvcache.writeback(call.canonical, made.eager_out),
+        finish=kvcache.writeback(call.canonical, made.eager_out), precision_note=made.precision_note,
     )
     started = time.perf_counter()
     try:
-        _verify(capture, feeds, eager_leaves, made.names)
-    except VerificationError:
-        if not made.folder.drop_fused():
+        record = _verify(capture, feeds, eager_leaves, made.names, made.agreement if reduced else None, made.precision)
+    except VerificationError as error:
+        if reduced:
+            made.folder.drop_reduced()
+            made.precision_note = f"{made.precision} not served, fp32 serves instead: {first_line(error)}"
+        elif not made.folder.drop_fused():
             raise
-        logger.debug("the fused graph disagrees with eager: serving the portable one")
+        else:
+            logger.debug("the fused graph disagrees with eager: serving the portable one")
         return assemble(made, place, optimize, owner, keep_optimized)
     made.phases["verify"] = time.perf_counter() - started
     stats.hits = 0  # the verification run served no call
-    return capture
+    return capture if record is None else replace(capture, precision=record)
 
 
 def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
@@ -104,23 +117,34 @@ def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: b
         if keep_optimized and optimize and optimized.is_file():
             return opened(optimized, None)
         keep = str(optimized) if keep_optimized and optimize else None
-        if folder.opened != folder.model:
+        while folder.opened != folder.model:
             try:
                 return opened(folder.opened, optimize, keep)
-            except Exception as e:  # the rewriter's graph is not one onnxruntime takes: serve the portable one
-                logger.debug("onnxruntime refused the fused graph, serving the portable one: %s", first_line(e))
-                folder.drop_fused()
+            except Exception as e:  # a derived graph onnxruntime does not take: serve the one it came from
+                logger.debug("onnxruntime refused %s, serving the graph it was made from: %s", folder.opened.name,
+                             first_line(e))
+                folder.drop_reduced() or folder.drop_fused()
         return opened(folder.model, optimize, keep)
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
         raise CaptureError(f"onnxruntime could not load the exported graph: {first_line(e)}") from e
 
 
-def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: list[str]) -> None:
+def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: list[str],
+            agreement: Agreement | None, precision: str) -> Record | None:
+    """Raise ``VerificationError`` unless the graph agrees with eager: within the fp32 tolerance,
+    or by ``agreement`` for a reduced-precision graph (what was measured is returned)."""
     try:
         served = capture.run(feeds)
     except Exception as e:  # onnxruntime failed on the very inputs the graph was exported from
         raise VerificationError(f"the graph failed on the capturing call's inputs: {first_line(e)}") from e
     # The tree is rebuilt from the eager structure by construction; leaves are what can differ.
-    problem = first_mismatch(names, eager_leaves, trees.flatten(served)[0])
+    leaves = trees.flatten(served)[0]
+    problem = first_mismatch(names, eager_leaves, leaves, values=agreement is None)
     if problem:
         raise VerificationError(f"the graph disagrees with eager: {problem}")
+    if agreement is None:
+        return None
+    measured, short = agreement_of(names, eager_leaves, leaves, agreement)
+    if short:
+        raise VerificationError(f"its agreement with eager fp32 is below the agreement asked for: {short}")
+    return Record(precision, agreement, tuple(measured))

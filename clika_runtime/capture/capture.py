@@ -21,9 +21,10 @@ import exporters
 import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, UncapturableError, first_line
+from clika_runtime.base.precision import FP32, Agreement, refusal
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.base.version import VERSION
-from clika_runtime.capture import fusing, hints
+from clika_runtime.capture import fusing, hints, reducing
 from clika_runtime.capture.assembly import Made, assemble
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.value import Capture
@@ -49,16 +50,19 @@ def build(
     output_names: Sequence[str] | None, output_axes: dict[str, dict[int, str | None]], graph_name: str,
     optimize: bool, place: serving.Place, parameters: Sequence[str],
     exporting: Callable[[], ContextManager[Any]] = contextlib.nullcontext, work_dir: str | None = None,
+    precision: str = FP32, agreement: Agreement = Agreement(),
 ) -> Capture:
     """Export, write the graph to a folder (under ``work_dir``), open a session and verify.
     Raises ``CaptureError`` (``VerificationError``) with why.
 
     ``exporting`` is held around the export: the target must not run eagerly meanwhile.
+    ``precision``: a reduced one (``int8``, ``fp16``) serves when its graph meets ``agreement``
+    with eager; else the fp32 graph serves and ``Capture.precision_note`` says why.
     """
     try:
         with torch.inference_mode(False), torch.no_grad():
             return _build(plan, eager_out, target, forms, owner, output_names, output_axes, graph_name, optimize,
-                          place, parameters, exporting, work_dir)
+                          place, parameters, exporting, work_dir, precision, agreement)
     except CaptureError:
         raise
     except Exception as e:  # anything else on the way is a capture failure too, never a lost call
@@ -69,6 +73,7 @@ def _build(
     plan: CapturePlan, eager_out: Any, target: Callable[..., Any], forms: CallForms, owner: torch.nn.Module | None,
     output_names: Sequence[str] | None, output_axes: dict, graph_name: str, optimize: bool, place: serving.Place,
     parameters: Sequence[str], exporting: Callable[[], ContextManager[Any]], work_dir: str | None,
+    precision: str, agreement: Agreement,
 ) -> Capture:
     phases: dict[str, float] = {}
     call = plan.call
@@ -97,8 +102,14 @@ def _build(
         if exporters.model_bytes(exported) < fusing.MEASURED_BELOW:
             fusing.keep_if_faster(folder, place, call.names, call.feeds, config.session_threads())
         phases["fuse"] = time.perf_counter() - started
+    note = refusal(precision, place.device) if precision != FP32 else None
+    if precision != FP32 and note is None:
+        started = time.perf_counter()
+        note = reducing.reduce(folder, precision)
+        phases[precision] = time.perf_counter() - started
     made = Made(plan, eager_out, folder, guard, list(exported.graph_leaves), dict(exported.constants), scalar_out,
-                names, baked, outputs, phases)
+                names, baked, outputs, phases, precision, agreement,
+                None if note is None else f"{precision} not served, fp32 serves instead: {note}")
     return assemble(made, place, optimize, owner, keep_optimized=work_dir is not None)
 
 

@@ -22,4 +22,5 @@ def describe(capture: "Capture") -> CaptureInfo:
         seconds_since_use=max(0.0, time.monotonic() - capture.stats.last_use),
         phases=dict(capture.stats.phases),
         guard=guard_text(capture.guard),
+        precision=str(capture.precision) if capture.precision is not None else capture.precision_note or "",
     )

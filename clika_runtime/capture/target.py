@@ -14,6 +14,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 import serving
+from clika_runtime.base.config import config
+from clika_runtime.base.precision import FP32, Agreement
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.capture.plan import Options
 from clika_runtime.trees.calls import CallForms
@@ -37,6 +39,12 @@ class Target:
     output_names: tuple[str, ...] | None
     graph_name: str
     name: str
+    precision: str = FP32
+    agreement: Agreement | None = None  # None: ``config.agreement`` when a capture is judged
+
+    def agreement_now(self) -> Agreement:
+        """The agreement a reduced-precision graph of this target must meet to serve."""
+        return self.agreement if self.agreement is not None else config.agreement
 
     def eager(self, args: tuple, kwargs: dict) -> Any:
         """The target's own result for the call as made (never under a function's lock)."""

@@ -9,6 +9,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from clika_runtime.base.precision import Record
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.capture import closures
 from clika_runtime.capture.closures import Stats
@@ -54,15 +55,22 @@ class Capture:
     run: Callable[[Sequence[Any]], Any]
     flat: Callable[[tuple], Any] | None
     finish: Callable[[Any, tuple, dict], Any] | None = None  # a served call's KV-cache write-back (kvcache.writeback)
+    precision: Record | None = None  # a reduced-precision graph serves (``folder.reduced``): what it measured
+    precision_note: str | None = None  # why the precision asked for does not serve
 
     def __repr__(self) -> str:
         return f"<Capture {', '.join(map(str, self.guard.inputs))}>"
 
     def graph(self) -> graph_mod.ModelGraph:
         """The capture's graph to hand out: a copy, carrying the guard as it stands now (with
-        the sizes 0/1 verified since the capture)."""
-        graph = graph_mod.ModelGraph.load(self.folder.model)
-        metadata.attach(graph.model_proto, {metadata.META_GUARD: guards.to_json(self.guard)})
+        the sizes 0/1 verified since the capture). At reduced precision, the graph that serves
+        (made from the fused graph where fusions applied: it loads in any onnxruntime) with its
+        measured agreement; else the portable graph."""
+        graph = graph_mod.ModelGraph.load(self.folder.model if self.precision is None else self.folder.reduced)
+        entries: dict[str, Any] = {metadata.META_GUARD: guards.to_json(self.guard)}
+        if self.precision is not None:
+            entries[metadata.META_PRECISION] = self.precision.to_json()
+        metadata.attach(graph.model_proto, entries)
         return graph
 
     def verified_at(self, feeds: Sequence[Any]) -> "Capture":

@@ -1,4 +1,5 @@
-"""Compare a new graph's outputs with the eager result of the call that captured it."""
+"""Compare a new graph's outputs with the eager result of the call that captured it: within the
+dtype's tolerance, or, for a reduced-precision graph, by its agreement (``base.precision``)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,48 @@ from typing import Any, Sequence
 import torch
 
 from clika_runtime.base.config import config
+from clika_runtime.base.precision import Agreement, Measured, judged
 
 
-def first_mismatch(names: Sequence[str], eager: Sequence[Any], graph: Sequence[Any]) -> str | None:
+def first_mismatch(names: Sequence[str], eager: Sequence[Any], graph: Sequence[Any], values: bool = True) -> str | None:
     """The first output that differs, in words (``None`` when all agree).
 
-    Tensors must agree in type, dtype, shape and device, and in value within the dtype's tolerance
-    (``config.tolerances``; integers and bools exactly, NaN where eager has NaN).
+    Tensors must agree in type, dtype, shape and device, and (``values``) in value within the
+    dtype's tolerance (``config.tolerances``; integers and bools exactly, NaN where eager has NaN).
     """
     if len(eager) != len(graph):
         return f"graph returned {len(graph)} output leaves, eager {len(eager)}"
     for name, e, g in zip(names, eager, graph):
-        problem = _compare(e, g)
+        problem = _compare(e, g, values)
         if problem:
             return f"output '{name}': {problem}"
     return None
 
 
-def _compare(e: Any, g: Any) -> str | None:
+def agreement_of(names: Sequence[str], eager: Sequence[Any], graph: Sequence[Any],
+                 agreement: Agreement) -> tuple[list[Measured], str | None]:
+    """A reduced-precision graph's outputs measured against eager's, and the first shortfall of
+    ``agreement`` in words (``None``: it agrees). Call after ``first_mismatch(..., values=False)``."""
+    pairs = [(n, e, g) for n, e, g in zip(names, eager, graph) if isinstance(e, torch.Tensor)]
+    return judged(agreement, [n for n, _, _ in pairs], [_numpy(e) for _, e, _ in pairs], [_numpy(g) for _, _, g in pairs])
+
+
+def disagreement(names: Sequence[str], eager: Sequence[Any], graph: Sequence[Any],
+                 agreement: Agreement | None = None) -> str | None:
+    """How a graph's outputs differ from eager's, in words (``None``: they agree): within the
+    dtype's tolerance, or, for a reduced-precision graph, by ``agreement``."""
+    problem = first_mismatch(names, eager, graph, values=agreement is None)
+    if problem is not None or agreement is None:
+        return problem
+    return agreement_of(names, eager, graph, agreement)[1]
+
+
+def _numpy(t: torch.Tensor) -> Any:
+    t = t.detach().cpu()
+    return (t.to(torch.float64) if t.is_floating_point() else t).numpy()
+
+
+def _compare(e: Any, g: Any, values: bool = True) -> str | None:
     if isinstance(e, torch.Tensor):
         if not isinstance(g, torch.Tensor):
             return f"expected a tensor, got {type(g).__name__}"
@@ -35,7 +60,7 @@ def _compare(e: Any, g: Any) -> str | None:
             return f"shape {tuple(g.shape)}, eager {tuple(e.shape)}"
         if g.device != e.device:
             return f"device {g.device}, eager {e.device}"
-        return _values(e.detach(), g)
+        return _values(e.detach(), g) if values else None
     if type(g) is not type(e):
         return f"type {type(g).__name__}, eager {type(e).__name__}"
     if isinstance(e, float) and math.isnan(e) and math.isnan(g):

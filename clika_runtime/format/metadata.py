@@ -8,7 +8,9 @@ Schema 2 (this version): ``clika_runtime.schema`` = "2", ``clika_runtime.version
 version that wrote it), ``clika_runtime.inputs`` / ``clika_runtime.outputs`` (tree descriptions,
 treedesc.py), ``clika_runtime.dims`` (per input, each axis an int or a dim name),
 ``clika_runtime.parameters`` (the target's positional parameter names), ``clika_runtime.guard``
-(guards/json_form.py). Schema 1 (files of clika_runtime 0.1, no schema key) had no guard.
+(guards/json_form.py), and for a reduced-precision graph ``clika_runtime.precision`` (its precision,
+the agreement it was accepted by and what was measured: ``base.precision.Record``; absent for
+fp32, so older readers of schema 2 still read such files). Schema 1 (files of clika_runtime 0.1, no schema key) had no guard.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from clika_runtime.base.errors import GraphFileError
+from clika_runtime.base.precision import Record
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.format import treedesc
 from clika_runtime.guards import json_form as guards
@@ -31,6 +34,7 @@ META_OUTPUTS = "clika_runtime.outputs"
 META_DIMS = "clika_runtime.dims"
 META_PARAMETERS = "clika_runtime.parameters"
 META_GUARD = "clika_runtime.guard"
+META_PRECISION = "clika_runtime.precision"
 
 MAX_VALUE_BYTES = 4 * 2**20  # far above any real description; a 50 MB value is an attack or a bug
 _MAX_SCHEMA_DIGITS = 9
@@ -47,6 +51,7 @@ class Metadata:
     outputs: dict[str, Any]
     parameters: list[str]
     guard: Guard | None  # None: schema 1 (no shipped guard)
+    precision: Record | None = None  # None: an fp32 graph
 
 
 def entries(values: Mapping[str, Any]) -> dict[str, str]:
@@ -81,9 +86,10 @@ def read(props: Mapping[str, str], where: str) -> Metadata | None:
         if inputs["kind"] != "tuple" or len(pair) != 2 or pair[0]["kind"] != "tuple" or pair[1]["kind"] != "dict":
             raise ValueError("inputs: expected the (args, kwargs) pair, a tuple and a dict")
         guard = guards.from_json(_json(props, META_GUARD)) if schema >= 2 else None
+        precision = Record.from_json(_json(props, META_PRECISION)) if META_PRECISION in props else None
     except ValueError as e:
         raise GraphFileError(f"{where}: malformed clika_runtime metadata: {e}") from None
-    return Metadata(inputs, outputs, parameters, guard)
+    return Metadata(inputs, outputs, parameters, guard, precision)
 
 
 def check_fits(found: Metadata, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], where: str) -> None:

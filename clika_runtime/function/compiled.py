@@ -12,7 +12,9 @@ from typing import Any, Callable, Generic, Mapping, ParamSpec, Sequence, TypeVar
 
 import torch
 
-from clika_runtime.base.errors import StateError
+import serving
+from clika_runtime.base.errors import PlaceError, StateError
+from clika_runtime.base.precision import FP32, Agreement, checked, refusal
 from clika_runtime.base.specs import DynamicAxes, PlaceLike, TensorSpec, resolve_place
 from clika_runtime.capture.closures import MISS, RunFailed
 from clika_runtime.capture.described import describe
@@ -75,6 +77,14 @@ class CompiledFunction(Copies, Generic[P, R]):
             capture, with those dim names.
         output_names: graph output names in flattening order (default: from the output pytree).
         graph_name: the ONNX graph's name (default: the target's name).
+        precision: ``"fp32"`` (the default) serves what eager computes; ``"int8"`` (CPU) serves the
+            verified graph quantized with onnxruntime's dynamic int8, ``"fp16"`` (CUDA) in float16
+            with the caller's dtypes at its edges. A reduced-precision graph serves only when its
+            outputs agree with eager fp32 on the capturing call by ``agreement``; else the fp32
+            graph serves, with a warning giving the measured figures (``capture_notes`` too).
+            What was measured is in ``captures`` and in the graph ``take_graph()`` hands out.
+        agreement: the ``Agreement`` a reduced-precision graph must meet (default:
+            ``config.agreement``, cosine >= 0.999 per float output, integer outputs exact).
     """
 
     State = State
@@ -92,13 +102,16 @@ class CompiledFunction(Copies, Generic[P, R]):
         dynamic_axes: DynamicAxes | None = None,
         output_names: Sequence[str] | None = None,
         graph_name: str | None = None,
+        precision: str = FP32,
+        agreement: Agreement | None = None,
     ) -> None:
         wrapped = _target(target, signature=tuple(signature), dynamic=dynamic, fullgraph=fullgraph, optimize=optimize,
                           specialize=specialize, place=place, dynamic_axes=dynamic_axes, output_names=output_names,
-                          graph_name=graph_name)
+                          graph_name=graph_name, precision=precision, agreement=agreement)
         self._options = {"signature": wrapped.options.signature, "dynamic": dynamic, "fullgraph": fullgraph, "optimize": optimize,
                          "specialize": specialize, "place": place, "dynamic_axes": dynamic_axes,
-                         "output_names": output_names, "graph_name": graph_name}  # for copies
+                         "output_names": output_names, "graph_name": graph_name, "precision": precision,
+                         "agreement": agreement}  # for copies
         self._lifecycle = lifecycle.Lifecycle(wrapped, threading.RLock())
         self._forms = wrapped.forms
         self._owner = wrapped.owner
@@ -229,7 +242,8 @@ class CompiledFunction(Copies, Generic[P, R]):
 
 def _target(target: Any, *, signature: tuple[TensorSpec, ...], dynamic: bool | None, fullgraph: bool,
             optimize: bool | None, specialize: bool | None, place: PlaceLike, dynamic_axes: DynamicAxes | None,
-            output_names: Sequence[str] | None, graph_name: str | None) -> Target:
+            output_names: Sequence[str] | None, graph_name: str | None, precision: str,
+            agreement: Agreement | None) -> Target:
     """``compile()``'s arguments checked and resolved once (a bad one raises here, naming it)."""
     if not callable(target):
         raise TypeError(f"compile: expected a callable, got {type(target).__name__}")
@@ -239,6 +253,8 @@ def _target(target: Any, *, signature: tuple[TensorSpec, ...], dynamic: bool | N
     axes = _normalise_axes(dynamic_axes or {})
     if dynamic is False and (axes or any(not isinstance(d, int) for s in signature for d in s.shape)):
         raise ValueError("dynamic=False cannot be combined with dynamic_axes or dynamic signature dims")
+    resolved = resolve_place(place) if place is not None else None
+    _check_precision(checked(precision), agreement, resolved)
     return Target(
         fn=target,
         owner=_owner_module(target),
@@ -246,11 +262,24 @@ def _target(target: Any, *, signature: tuple[TensorSpec, ...], dynamic: bool | N
         options=Options(signature, dynamic, axes, specialize),
         fullgraph=bool(fullgraph),
         optimize=optimize is not False,
-        place=resolve_place(place) if place is not None else None,
+        place=resolved,
         output_names=None if output_names is None else tuple(output_names),
         graph_name=graph_name or _default_name(target),
         name=getattr(target, "__name__", type(target).__name__),
+        precision=precision,
+        agreement=agreement,
     )
+
+
+def _check_precision(precision: str, agreement: Agreement | None, place: Any) -> None:
+    """A precision the place cannot serve is refused now, in one line (a place picked per call
+    from the inputs is checked at capture: the fp32 graph then serves, said once)."""
+    if agreement is not None and not isinstance(agreement, Agreement):
+        raise TypeError(f"agreement: expected clika_runtime.Agreement, got {type(agreement).__name__}")
+    device = place.device if place is not None else ("cpu" if not serving.cuda_available() else None)
+    why = refusal(precision, device) if device is not None else None
+    if why is not None:
+        raise PlaceError(why)
 
 
 def _owner_module(target: Any) -> torch.nn.Module | None:

@@ -125,6 +125,8 @@ def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: rest
             return Attempt(capture, used, list(meta["notes"]), [tuple(a) for a in meta["static_axes"]],
                            frozenset(meta["unliftable"]))
     attempt = _exported(target, plan, out, slot.cache.work if slot is not None else None)
+    if attempt.capture.precision_note:  # kept with the entry: a restore serves the same fp32 graph
+        attempt.notes.append(attempt.capture.precision_note)
     if slot is not None:
         restore.store(slot, attempt.capture, attempt.plan, attempt.notes, attempt.static_axes, attempt.unliftable,
                       target.graph_name)
@@ -185,6 +187,7 @@ def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> C
         output_axes={n: dict(a) for n, a in target.options.dynamic_axes.items() if n not in inputs},
         graph_name=target.graph_name, optimize=target.optimize, place=target.place_for(plan.call.feeds),
         parameters=target.forms.positional, exporting=TARGETS.exclusive, work_dir=work_dir,
+        precision=target.precision, agreement=target.agreement_now(),
     )
 
 

@@ -1,5 +1,6 @@
 """How a function says it serves eagerly, and records it: a key refused (its capture failed), the
-whole function in Fallback (the budget), a call that cannot be keyed, a bug of the library's own.
+whole function in Fallback (the budget), a call that cannot be keyed, a bug of the library's own;
+and a capture that serves at fp32 though a reduced precision was asked for.
 Each is said once, as a warning pointed at the user's call, and on the ``clika_runtime`` logger;
 ``fullgraph=True`` raises ``CaptureError`` instead.
 
@@ -19,9 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from clika_runtime.base.errors import CaptureError, ClikaError, first_line
+from clika_runtime.base.precision import FP32
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.capture.plan import Call
 from clika_runtime.capture.target import Target, target_raised
+from clika_runtime.capture.value import Capture
 from clika_runtime.function import staleness
 from clika_runtime.function.table import CacheTable, State, fallen_back, with_refused
 
@@ -69,7 +72,7 @@ class Fallbacks:
         if call is not None:
             with self.lock:
                 self.table = with_refused(self.table, call.key, call.described.words(), why)
-        self._eager_because(f"{why}; served eagerly")
+        self._say_once(f"{why}; served eagerly")
         return result()
 
     def _give_up(self, why: str, generation: int, result: Callable[[], Any]) -> Any:
@@ -106,10 +109,18 @@ class Fallbacks:
             if None not in self.table.refused:  # what f.state and f.fallback_reason say while nothing serves
                 self.table = with_refused(self.table, None, "calls that cannot be keyed",
                                           f"{why}; such calls serve eagerly")
-        self._eager_because(f"{why}; serving this call eagerly")
+        self._say_once(f"{why}; serving this call eagerly")
 
-    def _eager_because(self, why: str) -> None:
-        """Say once (per reason) why calls serve eagerly without capturing."""
+    def _said_precision(self, capture: Capture, notes: list[str]) -> None:
+        """Say once that a capture serves at fp32 though a reduced precision was asked for, and why."""
+        asked = self.target.precision
+        if asked != FP32 and capture.precision is None:
+            self._say_once(next((n for n in notes if n.startswith(f"{asked} not served")),
+                                f"{asked} not served, fp32 serves instead"))
+
+    def _say_once(self, why: str) -> None:
+        """Say once (per reason) why calls serve eagerly without capturing, or at a precision
+        other than the one asked for."""
         if why not in self._warned:
             self._warned.add(why)
             logger.info("%s: %s", self.target.name, why)

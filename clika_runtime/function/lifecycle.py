@@ -25,7 +25,7 @@ from clika_runtime.capture.closures import RunFailed
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
 from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.capture.value import Capture
-from clika_runtime.capture.verify import first_mismatch
+from clika_runtime.capture.verify import disagreement
 from clika_runtime.function import degrade, staleness
 from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiating, mutation
 from clika_runtime.function.planning import (
@@ -127,7 +127,7 @@ class Lifecycle(Fallbacks):
             self._unkeyable(str(e))
             return Eager(), None, table.generation
         if torch.is_grad_enabled() and (needing := weights.needing_grad(target.fn, target.owner)):
-            self._eager_because(differentiating(needing))
+            self._say_once(differentiating(needing))
             return Eager(), call, table.generation
         decision = decide(table, call, target.options, target.owner)
         if isinstance(decision, (CapturePlan, Verify)):
@@ -174,6 +174,7 @@ class Lifecycle(Fallbacks):
                 if written and isinstance(error, VerificationError) else ""
             return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out)
         attempt.notes.extend(_unwatched(attempt.capture, written))
+        self._said_precision(attempt.capture, attempt.notes)
         with self.lock:
             held = len(self.table.captures)
             taught = self._install(attempt, generation, snapshot, written)
@@ -247,7 +248,8 @@ def _disagreement(capture: Capture, feeds: Any, out: Any) -> str | None:
     try:
         served = trees.flatten(capture.run(feeds))[0]
         eager = trees.flatten(out)[0]
-        return first_mismatch(trees.output_names(out, eager), eager, served)
+        record = capture.precision
+        return disagreement(trees.output_names(out, eager), eager, served, record.agreement if record else None)
     except Exception as error:  # onnxruntime refuses the graph at these sizes
         return first_line(error)
 

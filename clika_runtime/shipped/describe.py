@@ -23,12 +23,15 @@ class CaptureInfo:
     seconds_since_use: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
     guard: str = ""
+    precision: str = ""  # a reduced-precision graph's measured agreement, or why the one asked for does not serve
 
     def __str__(self) -> str:
         lines = [f"key: {self.key}"]
         lines += [f"  in  {i}" for i in self.inputs] + [f"  out {o}" for o in self.outputs]
         if self.guard:
             lines.append(f"  guard: {self.guard}")
+        if self.precision:
+            lines.append(f"  precision: {self.precision}")
         if self.hits is not None:
             lines.append(f"  hits: {self.hits}, last used {self.seconds_since_use:.1f} s ago")
         if self.phases:
@@ -53,7 +56,8 @@ def describe_graph(model_proto: Any, where: str) -> CaptureInfo:
     tensors = [f"{i.name}: {i.dtype}" for i in inputs]
     caches = [cache_words(name, child) for name, child in leaves if child.get("cache")]
     return CaptureInfo(key=", ".join(tensors + statics + caches), inputs=inputs, outputs=outputs,
-                       guard=guard_text(found.guard) if found.guard is not None else "")
+                       guard=guard_text(found.guard) if found.guard is not None else "",
+                       precision=str(found.precision) if found.precision is not None else "")
 
 
 def cache_words(name: str, description: dict[str, Any]) -> str:

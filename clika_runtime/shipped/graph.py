@@ -173,12 +173,14 @@ EXTERNAL_ABOVE = 16 * 2**20
 
 class GraphFolder:
     """A model written to its own temporary folder (``model.onnx``, and ``model.onnx.data`` when
-    its weights are large; ``served.onnx`` beside it when onnxruntime's fused kernels apply),
+    its weights are large; ``served.onnx`` beside it when onnxruntime's fused kernels apply;
+    ``reduced.onnx`` when the graph serves at reduced precision: made from the fused graph),
     removed when the last reference to the folder goes. Captures keep their graphs here instead
     of in memory; sessions open the files."""
 
     MODEL = "model.onnx"
     FUSED = "served.onnx"  # the graph with onnxruntime's fused kernels, when any apply (exporters.fusion)
+    REDUCED = "reduced.onnx"  # the graph at reduced precision (int8, fp16), when one was asked for and agrees
     _OPTIMIZED = "optimized-"
 
     def __init__(self, parent: str | os.PathLike | None = None) -> None:
@@ -208,9 +210,16 @@ class GraphFolder:
 
     @property
     def opened(self) -> Path:
-        """The graph sessions open: the fused graph when there is one, else the model."""
-        fused = self.path / self.FUSED
-        return fused if fused.is_file() else self.model
+        """The graph sessions open: the reduced-precision graph, else the fused graph, else the model."""
+        for name in (self.REDUCED, self.FUSED):
+            if (self.path / name).is_file():
+                return self.path / name
+        return self.model
+
+    @property
+    def reduced(self) -> Path:
+        """Where the reduced-precision graph is (or goes)."""
+        return self.path / self.REDUCED
 
     def optimized(self, machine: str) -> Path:
         """Where onnxruntime's optimised model for ``machine`` (``serving.machine_tag``) is kept."""
@@ -218,10 +227,17 @@ class GraphFolder:
 
     def drop_fused(self) -> bool:
         """Remove the fused graph and what onnxruntime made of it; whether there was one."""
-        fused = self.path / self.FUSED
-        if not fused.is_file():
+        return self._drop(self.FUSED)
+
+    def drop_reduced(self) -> bool:
+        """Remove the reduced-precision graph and what onnxruntime made of it; whether there was one."""
+        return self._drop(self.REDUCED)
+
+    def _drop(self, name: str) -> bool:
+        graph = self.path / name
+        if not graph.is_file():
             return False
-        for path in [fused, *self.path.glob(f"{self.FUSED}.data"), *self.path.glob(f"{self._OPTIMIZED}*")]:
+        for path in [graph, *self.path.glob(f"{name}.data"), *self.path.glob(f"{self._OPTIMIZED}*")]:
             path.unlink(missing_ok=True)
         return True
 

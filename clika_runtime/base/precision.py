@@ -1,0 +1,175 @@
+"""Reduced precision: the precisions a graph can serve at, and how closely a reduced-precision
+graph must agree with its reference to serve.
+
+A reduced-precision graph cannot pass the fp32 tolerance, so it is judged by its measured
+agreement with the reference (eager fp32 at capture, the fp32 graph for ``ModelGraph.quantized``):
+per output, the cosine similarity, the largest absolute difference, and that difference relative
+to the reference's largest magnitude. Integer and bool outputs (token ids, an argmax, a mask)
+must match exactly. NumPy only: shipped graphs are judged on boxes without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+FP32, INT8, FP16 = "fp32", "int8", "fp16"
+PRECISIONS = (FP32, INT8, FP16)
+
+
+def checked(precision: Any) -> str:
+    """``precision`` if it is one of ``PRECISIONS``; else ``ValueError`` in one line."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    return precision
+
+
+def refusal(precision: str, device: str) -> str | None:
+    """Why ``precision`` cannot serve on a ``device`` ("cpu", "cuda"), with what to use instead;
+    ``None`` when it can."""
+    if precision == INT8 and device != "cpu":
+        return ("precision='int8' serves on CPU only: onnxruntime's CUDA provider runs dynamic int8 graphs "
+                "slower than fp32; use precision='fp16' on CUDA, or place='cpu'")
+    if precision == FP16 and device == "cpu":
+        return ("precision='fp16' needs a CUDA place: onnxruntime's CPU provider has no fp16 kernels for most "
+                "ops; use precision='int8' on CPU, or place='cuda'")
+    return None
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How closely a reduced-precision graph must agree with its reference, per output.
+
+    Attributes:
+        cosine: the least cosine similarity of each floating-point output with the reference
+            (flattened); 0.999 by default.
+        max_abs: if set, the largest absolute difference allowed.
+        max_rel: if set, the largest absolute difference allowed relative to the reference's
+            largest magnitude.
+    Integer and bool outputs must always match exactly; NaN and infinities must sit where the
+    reference has them.
+    """
+
+    cosine: float = 0.999
+    max_abs: float | None = None
+    max_rel: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.cosine, (int, float)) and -1.0 <= self.cosine <= 1.0):
+            raise ValueError(f"Agreement.cosine: expected a number in [-1, 1], got {self.cosine!r}")
+        for name in ("max_abs", "max_rel"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"Agreement.{name}: expected None or a number >= 0, got {value!r}")
+
+    def problem(self, measured: "Measured") -> str | None:
+        """Why ``measured`` falls short of this agreement, in words (``None`` when it does not)."""
+        if measured.exact is not None:
+            return None if measured.exact else f"output '{measured.name}': integer values differ (exact match required)"
+        if measured.misplaced:
+            return f"output '{measured.name}': NaN or infinity where the reference has none, or the reverse"
+        short = []
+        if measured.cosine < self.cosine:
+            short.append(f"cosine {measured.cosine:.5f} < {self.cosine}")
+        if self.max_abs is not None and measured.max_abs > self.max_abs:
+            short.append(f"max abs difference {measured.max_abs:.3g} > {self.max_abs}")
+        if self.max_rel is not None and measured.max_rel > self.max_rel:
+            short.append(f"relative difference {measured.max_rel:.3g} > {self.max_rel}")
+        return f"output '{measured.name}': {', '.join(short)}" if short else None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Any) -> "Agreement":
+        if not isinstance(value, Mapping) or set(value) - {"cosine", "max_abs", "max_rel"}:
+            raise ValueError(f"expected an object with cosine, max_abs, max_rel, got {value!r}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One output's agreement with its reference. ``exact`` is set for integer and bool outputs
+    (whether they match); ``misplaced``: NaN or infinities where the reference has none."""
+
+    name: str
+    cosine: float = 1.0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    exact: bool | None = None
+    misplaced: bool = False
+
+    def __str__(self) -> str:
+        if self.exact is not None:
+            return f"{self.name}: {'exact' if self.exact else 'differs'}"
+        return f"{self.name}: cosine {self.cosine:.5f}, max abs {self.max_abs:.3g}, rel {self.max_rel:.3g}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def measure(name: str, reference: Any, got: Any) -> Measured:
+    """How closely ``got`` agrees with ``reference`` (arrays or numbers of one shape)."""
+    ref, out = np.asarray(reference), np.asarray(got)
+    if ref.shape != out.shape:
+        raise ValueError(f"output '{name}': shape {out.shape}, reference {ref.shape}")
+    if not np.issubdtype(ref.dtype, np.floating) and not np.issubdtype(ref.dtype, np.complexfloating):
+        return Measured(name, exact=bool(np.array_equal(ref, out)))
+    ref, out = ref.astype(np.float64).reshape(-1), out.astype(np.float64).reshape(-1)
+    finite = np.isfinite(ref)
+    misplaced = not np.array_equal(finite, np.isfinite(out)) or not np.array_equal(ref[~finite], out[~finite], equal_nan=True)
+    ref, out = ref[finite], out[finite]
+    if ref.size == 0:
+        return Measured(name, misplaced=misplaced)
+    difference = float(np.abs(out - ref).max())
+    scale = float(np.abs(ref).max())
+    return Measured(name, _cosine(ref, out), difference, difference / scale if scale else difference, misplaced=misplaced)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    norms = float(np.linalg.norm(a)) * float(np.linalg.norm(b))
+    if norms == 0.0:  # an all-zero side: agreement means both are zero
+        return 1.0 if not a.any() and not b.any() else 0.0
+    return float(np.clip(a @ b / norms, -1.0, 1.0))
+
+
+def judged(agreement: Agreement, names: Sequence[str], reference: Sequence[Any], got: Sequence[Any]) -> tuple[list[Measured], str | None]:
+    """Each output measured, and the first shortfall in words (``None``: the graph agrees)."""
+    measured = [measure(n, r, g) for n, r, g in zip(names, reference, got)]
+    return measured, next((p for m in measured if (p := agreement.problem(m)) is not None), None)
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a reduced-precision graph carries (``f.captures``, ``inspect``, the shipped metadata):
+    its precision, the agreement it was accepted by, and each output's measured agreement."""
+
+    precision: str
+    agreement: Agreement
+    measured: tuple[Measured, ...]
+
+    def __str__(self) -> str:
+        measured = "; ".join(map(str, self.measured))
+        return f"{self.precision}, agreement with fp32 {measured} (accepted at cosine >= {self.agreement.cosine})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"precision": self.precision, "agreement": self.agreement.to_json(),
+                "measured": [m.to_json() for m in self.measured]}
+
+    @classmethod
+    def from_json(cls, value: Any) -> "Record":
+        """The record of a graph file's metadata; ``ValueError`` saying what is malformed."""
+        if not isinstance(value, Mapping) or set(value) != {"precision", "agreement", "measured"}:
+            raise ValueError("precision: expected an object with precision, agreement and measured")
+        if value["precision"] not in PRECISIONS or not isinstance(value["measured"], list):
+            raise ValueError(f"precision: expected one of {PRECISIONS} and a list of measured outputs")
+        measured = []
+        for entry in value["measured"]:
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or \
+                    set(entry) - {"name", "cosine", "max_abs", "max_rel", "exact", "misplaced"} or \
+                    not all(isinstance(v, (int, float)) for k, v in entry.items() if k != "name"):
+                raise ValueError(f"precision: malformed measured output {str(entry)[:80]}")
+            measured.append(Measured(**entry))
+        return cls(value["precision"], Agreement.from_json(value["agreement"]), tuple(measured))
