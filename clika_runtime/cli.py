@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamic", action="store_true",
                    help="every axis dynamic from the first capture, except axes of size 0 or 1 in the example "
                         "(torch.export specialises them: give examples of size >= 2 there; the output names them)")
+    p.add_argument("--precision", choices=("fp32", "int8", "fp16"), default="fp32",
+                   help="int8: onnxruntime's dynamic int8 (CPU), saved only when it agrees with eager fp32 by "
+                        "clika_runtime.config.agreement (cosine >= 0.999 per float output); fp16 needs --place cuda")
+    p.add_argument("--place", default=None, help="where the graph is captured and checked (default: cpu)")
     p.set_defaults(run=_export)
 
     p = sub.add_parser("triton", help="write a graph as a Triton model (config.pbtxt + version folder)")
@@ -234,7 +238,8 @@ def _export(args: argparse.Namespace) -> int:
     from clika_runtime.function.compiled import CompiledFunction
 
     target = _called(args.factory, _load_object(args.factory))
-    options: dict[str, Any] = {"fullgraph": True, "dynamic": True if args.dynamic else None}
+    options: dict[str, Any] = {"fullgraph": True, "dynamic": True if args.dynamic else None,
+                               "precision": args.precision, "place": args.place}
     if args.signature:
         specs = parse_signature(args.signature)
         options["signature"] = specs
@@ -254,8 +259,14 @@ def _export(args: argparse.Namespace) -> int:
         source = args.inputs or "--signature"
         raise ValueError(f"{args.factory} raised {type(e).__name__} on the examples from {source} "
                          f"({_shapes(call_args, call_kwargs)}): {first_line(e)}; give examples the model takes") from None
-    path = f.take_graph().save(args.out)
-    print(f"saved {path} (inputs {f.input_names})")
+    precision = f.captures[-1].precision  # the measured agreement, or why the precision asked for does not serve
+    graph = f.take_graph()
+    if args.precision != "fp32" and "clika_runtime.precision" not in graph.metadata:
+        print(f"nothing saved: {precision}; keep --precision fp32, or quantize with a looser "
+              f"clika_runtime.Agreement in Python (ModelGraph.quantized)", file=sys.stderr)
+        return 1
+    path = graph.save(args.out)
+    print(f"saved {path} (inputs {f.input_names})" + (f"; {precision}" if args.precision != "fp32" else ""))
     for note in f.capture_notes:
         print(f"note: {note}")
     return 0

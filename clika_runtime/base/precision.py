@@ -64,6 +64,12 @@ class Agreement:
             if value is not None and not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"Agreement.{name}: expected None or a number >= 0, got {value!r}")
 
+    def __str__(self) -> str:
+        bounds = [f"cosine >= {self.cosine}"]
+        bounds += [f"max abs <= {self.max_abs}"] if self.max_abs is not None else []
+        bounds += [f"rel <= {self.max_rel}"] if self.max_rel is not None else []
+        return ", ".join(bounds)
+
     def problem(self, measured: "Measured") -> str | None:
         """Why ``measured`` falls short of this agreement, in words (``None`` when it does not)."""
         if measured.exact is not None:
@@ -103,8 +109,8 @@ class Measured:
 
     def __str__(self) -> str:
         if self.exact is not None:
-            return f"{self.name}: {'exact' if self.exact else 'differs'}"
-        return f"{self.name}: cosine {self.cosine:.5f}, max abs {self.max_abs:.3g}, rel {self.max_rel:.3g}"
+            return f"'{self.name}' {'exact' if self.exact else 'differs'}"
+        return f"'{self.name}' cosine {self.cosine:.5f}, max abs {self.max_abs:.3g}, rel {self.max_rel:.3g}"
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -151,8 +157,7 @@ class Record:
     measured: tuple[Measured, ...]
 
     def __str__(self) -> str:
-        measured = "; ".join(map(str, self.measured))
-        return f"{self.precision}, agreement with fp32 {measured} (accepted at cosine >= {self.agreement.cosine})"
+        return f"{self.precision}, agreement with fp32 (accepted at {self.agreement}): {'; '.join(map(str, self.measured))}"
 
     def to_json(self) -> dict[str, Any]:
         return {"precision": self.precision, "agreement": self.agreement.to_json(),

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
-import exporters.quantize as quantize
 from clika_runtime.base.errors import first_line
 from clika_runtime.base.precision import FP16, INT8
 from clika_runtime.shipped import graph as graph_mod
+from serving import quantize
 
 logger = logging.getLogger("clika_runtime")
 

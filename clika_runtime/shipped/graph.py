@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
 from clika_runtime.base.errors import GraphFileError
+from clika_runtime.base.precision import Agreement
 from clika_runtime.base.specs import PlaceLike
 from clika_runtime.format import graphfile, metadata
 from clika_runtime.format.graphfile import too_big
@@ -98,6 +99,27 @@ class ModelGraph:
         else:
             onnx.save_model(self._proto, str(path))
         return path
+
+    def quantized(self, precision: str = "int8", *, agreement: Agreement | None = None) -> "ModelGraph":
+        """This graph at reduced precision, as a new graph: ``"int8"`` is onnxruntime's dynamic
+        int8 (CPU), with standard ONNX ops only (``MatMulInteger``, ``DynamicQuantizeLinear``).
+
+        Both graphs run on generated inputs at the capture's example sizes and the int8 graph is
+        returned only when it agrees with this one by ``agreement`` (default
+        ``config.agreement``), else ``VerificationError`` with the figures; the measured agreement
+        is in its metadata (``inspect`` shows it, ``validate`` compares by it). ``ValueError``
+        for another precision (fp16 is made by capturing with ``precision="fp16"`` on CUDA,
+        where it can be verified) or a graph already reduced.
+        """
+        from clika_runtime.base.config import config
+        from clika_runtime.shipped.quantizing import quantized
+
+        if precision != "int8":
+            raise ValueError(f"quantized: expected 'int8', got {precision!r} (an fp16 graph is captured on CUDA with "
+                             f"cr.compile(..., precision='fp16'), where it is checked)")
+        if metadata.META_PRECISION in self.metadata:
+            raise ValueError("quantized: this graph is already at reduced precision; quantize the fp32 graph")
+        return ModelGraph(quantized(self._proto, agreement or config.agreement, repr(self)))
 
     def to_triton(
         self,

@@ -33,7 +33,7 @@ def inspect_graph(path: str | os.PathLike) -> dict[str, Any]:
         raise GraphFileError(f"{path}: the graph's inputs or outputs do not parse: {e}") from None
     declared = interface(model, initializers=True)  # as the file lists them, weights of old graphs too
     return {
-        "capture": {"key": description.key, "guard": description.guard},
+        "capture": {"key": description.key, "guard": description.guard, "precision": description.precision},
         "path": str(path),
         "graph_name": model.graph.name,
         "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
@@ -71,6 +71,8 @@ def format_inspection(info: Mapping[str, Any]) -> str:
         lines.append(f"captured for: {info['capture']['key']}")
     if info["capture"]["guard"]:
         lines.append(f"guard: {info['capture']['guard']}")
+    if info["capture"].get("precision"):
+        lines.append(f"precision: {info['capture']['precision']}")
     lines.append("opset: " + ", ".join(f"{d} {v}" for d, v in info["opset"].items()))
     for kind in ("inputs", "outputs"):
         lines.append(f"{kind}:")

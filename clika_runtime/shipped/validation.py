@@ -18,6 +18,7 @@ import numpy as np
 
 import serving
 from clika_runtime.base.errors import GraphFileError, GraphInputError, PlaceError, first_line
+from clika_runtime.base.precision import Record, measure
 from clika_runtime.format import graphfile
 from clika_runtime.format.graphfile import existing
 from clika_runtime.guards.guard import Guard
@@ -108,14 +109,17 @@ def validate_graph(
     if session is None:
         return report
     try:
-        guard = _guard(session, str(path))
+        found, guard = metadata_and_guard(read_session(session, str(path)), str(path))
         report.add("clika_runtime metadata", True)
     except GraphFileError as e:
         report.add("clika_runtime metadata", False, first_line(e))
         return report
+    record = found.precision if found is not None else None
+    if record is not None:
+        report.add(f"{record.precision} agreement at capture", True, str(record))
     _run_sizes(session, guard, str(path), dims or {}, np.random.default_rng(seed), report)
     if arrays is not None:
-        report.add("matches reference outputs", *_compare_reference(session, arrays, str(reference), rtol, atol))
+        report.add("matches reference outputs", *_compare_reference(session, arrays, str(reference), rtol, atol, record))
     return report
 
 
@@ -189,7 +193,7 @@ def _run_sizes(session: Any, guard: Guard, where: str, dims: Mapping[str, Sequen
     refused = []
     for assignment in _assignments(sizes):
         label = ", ".join(f"{k}={v}" for k, v in assignment.items()) or "static shapes"
-        feeds = _feeds(session, guard, assignment, rng)
+        feeds = generated_feeds(session, guard, assignment, rng)
         generated = all(v is not None for v in feeds.values())  # else _run_once reports what was not
         problem = guard.check([feeds[i.name] for i in session.get_inputs()]) if generated else None
         if problem is not None and not any(k in dims for k in assignment):
@@ -265,7 +269,7 @@ def _assignments(sizes: Mapping[str, Sequence[int]]) -> list[dict[str, int]]:
     return unique
 
 
-def _feeds(session: Any, guard: Guard, assignment: Mapping[str, int], rng: np.random.Generator) -> dict[str, Any]:
+def generated_feeds(session: Any, guard: Guard, assignment: Mapping[str, int], rng: np.random.Generator) -> dict[str, Any]:
     """Generated inputs at these dim sizes: random floats, small non-negative ints (valid indices
     for embeddings and gathers alike), lifted numbers at their capture value."""
     example = dict(guard.example)
@@ -351,7 +355,9 @@ def _kind_of_file(path: Path, error: BaseException) -> str:
 
 
 def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: str, rtol: float,
-                       atol: float) -> tuple[bool, str]:
+                       atol: float, record: Record | None) -> tuple[bool, str]:
+    """The graph's outputs on the reference inputs against the reference outputs: within rtol/atol,
+    or for a reduced-precision graph (``record``) by the agreement it was accepted with."""
     inputs = [i.name for i in session.get_inputs()]
     missing = [n for n in inputs if n not in data]
     if not missing:  # arrays that do not fit the graph make the reference unusable, not the graph wrong
@@ -371,12 +377,18 @@ def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: 
         expected = data[meta.name]
         if expected.shape != np.shape(out):
             return False, f"output '{meta.name}': shape {list(np.shape(out))}, reference {list(expected.shape)}"
-        if not np.allclose(out, expected, rtol=rtol, atol=atol, equal_nan=True):
+        if record is not None:
+            short = record.agreement.problem(measure(meta.name, expected, out))
+            if short:
+                return False, f"{short} (by the {record.precision} graph's recorded agreement, not rtol/atol)"
+        elif not np.allclose(out, expected, rtol=rtol, atol=atol, equal_nan=True):
             worst = float(np.nanmax(np.abs(out.astype(np.float64) - expected.astype(np.float64))))
             return False, f"output '{meta.name}': max |diff| {worst:.3g} > rtol={rtol}, atol={atol}"
         compared.append(meta.name)
     if not compared:
         return False, f"reference holds none of the outputs {[o.name for o in session.get_outputs()]}"
+    if record is not None:
+        return True, f"compared {compared} by the {record.precision} graph's recorded agreement ({record.agreement})"
     return True, f"compared {compared}"
 
 

@@ -11,7 +11,9 @@ fp16 (CUDA): every float32 weight and op in float16, the inputs and outputs kept
 at the edges), so the caller's dtypes do not change.
 
 Both read a graph file and write another; neither checks numbers: the caller measures how
-closely the result agrees with its reference before serving it.
+closely the result agrees with its reference before serving it. Here, not in exporters/, because
+they take any ONNX graph and need no torch: a shipped fp32 graph can be quantized on a box
+without it (``ModelGraph.quantized``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from typing import Iterator
-
-from exporters.quiet import quiet
 
 # The ops onnxruntime's dynamic quantization turns into integer ops that run faster on x86.
 # Conv (ConvInteger) and Gather (embeddings) are left fp32: ConvInteger runs slower than fp32
@@ -110,7 +111,9 @@ def _fits_proto(model: object) -> bool:
 def _quantizer_quiet() -> Iterator[None]:
     """onnxruntime's quantizer logs through the root logger with ``logging.warning`` (a shape it
     could not infer, advice to pre-process), which installs a console handler on the root
-    logger when none is there: keep both off the user's console while it runs."""
+    logger when none is there: keep both off the user's console while it runs (and its
+    warnings). The root logger's level is process-wide: other threads' root records are held
+    back for the few seconds it runs."""
     root = logging.getLogger()
     placeholder = logging.NullHandler()
     added = not root.handlers
@@ -119,7 +122,8 @@ def _quantizer_quiet() -> Iterator[None]:
     level = root.level
     root.setLevel(logging.CRITICAL)
     try:
-        with quiet():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             yield
     finally:
         root.setLevel(level)

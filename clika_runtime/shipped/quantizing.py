@@ -1,0 +1,54 @@
+"""A shipped fp32 graph quantized to int8 (``ModelGraph.quantized``), judged against itself.
+
+The fp32 graph and its int8 copy run on the same generated inputs at the sizes of the capture's
+example (random floats, small non-negative integers: ``validation.generated_feeds``), and the int8
+copy is kept only when it agrees by the ``Agreement`` asked for. No torch: a graph captured
+elsewhere can be quantized on a box with onnxruntime and numpy only.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import serving
+from clika_runtime.base.errors import VerificationError
+from clika_runtime.base.precision import INT8, Agreement, Record, judged
+from clika_runtime.format import metadata
+from clika_runtime.format.graphfile import too_big
+from clika_runtime.shipped.served import metadata_and_guard, read_session
+from clika_runtime.shipped.validation import generated_feeds
+from serving import quantize
+
+
+def quantized(model_proto: Any, agreement: Agreement, where: str, seed: int = 0) -> Any:
+    """``model_proto`` quantized to int8, carrying its measured agreement in its metadata;
+    ``VerificationError`` when it falls short of ``agreement``, ``ValueError`` when the graph
+    has nothing to quantize."""
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix="clika_runtime_int8_") as folder:
+        source, target = Path(folder) / "model.onnx", Path(folder) / "int8.onnx"
+        onnx.save_model(model_proto, str(source), save_as_external_data=too_big(model_proto),
+                        location="model.onnx.data")
+        if not quantize.quantize_int8(str(source), str(target)):
+            raise ValueError(f"{where}: the graph has no MatMul with a constant weight to quantize")
+        cpu = serving.resolve("cpu")
+        reference, reduced = (serving.open_session(str(path), cpu) for path in (source, target))
+        guard = metadata_and_guard(read_session(reference, where), where)[1]
+        sizes = {dim: size for dim, size in guard.example if not dim.startswith("#")}
+        feeds = generated_feeds(reference, guard, sizes, np.random.default_rng(seed))
+        missing = [name for name, value in feeds.items() if value is None]
+        if missing:
+            raise ValueError(f"{where}: input(s) {missing} cannot be generated (bfloat16, complex or too large) to "
+                             f"check the int8 graph against")
+        names = [o.name for o in reference.get_outputs()]
+        measured, short = judged(agreement, names, reference.run(None, feeds), reduced.run(None, feeds))
+        if short:
+            raise VerificationError(f"{where}: the int8 graph's agreement with the fp32 graph falls short: {short}")
+        proto = onnx.load(str(target))
+    metadata.attach(proto, {metadata.META_PRECISION: Record(INT8, agreement, tuple(measured)).to_json()})
+    return proto
