@@ -50,10 +50,10 @@ def _own_cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _restore_config():
     saved = (cr.config.cache_size, cr.config.recapture_limit, dict(cr.config.tolerances), cr.config.intra_op_threads,
-             cr.config.cache_dir, cr.config.cache_max_bytes)
+             cr.config.cache_dir, cr.config.cache_max_bytes, cr.config.agreement)
     yield
     (cr.config.cache_size, cr.config.recapture_limit, cr.config.tolerances, cr.config.intra_op_threads,
-     cr.config.cache_dir, cr.config.cache_max_bytes) = saved
+     cr.config.cache_dir, cr.config.cache_max_bytes, cr.config.agreement) = saved
 
 
 def current(f):

@@ -1,0 +1,253 @@
+"""precision="int8" (issue 24): the verified graph quantized, served only when it agrees with eager
+fp32 by the agreement asked for, and shipped with what was measured.
+
+Real torch and onnxruntime: a small MLP (2-D Linear, exported as Gemm) and a tiny BERT (MatMuls,
+attention fused by the rewriter before quantizing), each captured once per module.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import clika_runtime as cr
+from tests.conftest import Counted
+
+QUANTIZED_OPS = {"MatMulInteger", "DynamicQuantizeMatMul"}
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).eval()
+
+
+def tiny_bert() -> torch.nn.Module:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=200, max_position_embeddings=64)
+    return BertModel(config).eval()
+
+
+class Outliers(torch.nn.Module):
+    """Feature 0 of the input is huge and its weights are zero: per-call int8 quantization of the
+    activations spends its whole range on it, and the features that matter round to zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(16, 16, bias=False)
+        with torch.no_grad():
+            self.proj.weight[:, 0] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def outlier_input(batch: int = 4) -> torch.Tensor:
+    x = torch.randn(batch, 16)
+    x[:, 0] = 1e4
+    return x
+
+
+def called(f, *args, **kwargs):
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = f(*args, **kwargs)
+    return out, [str(w.message) for w in caught]
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.reshape(1, -1).double(), b.reshape(1, -1).double()).item()
+
+
+@pytest.fixture(scope="module")
+def mlp_int8():
+    model = mlp()
+    counted = Counted(model)
+    f = cr.compile(counted, precision="int8")
+    x = torch.randn(8, 64)
+    first, said = called(f, x)
+    return model, counted, f, x, said
+
+
+@pytest.fixture(scope="module")
+def bert_int8():
+    model = tiny_bert()
+    f = cr.compile(model, precision="int8", dynamic=True)
+    ids = torch.randint(1, 200, (2, 16))
+    called(f, input_ids=ids, attention_mask=torch.ones_like(ids))
+    return model, f
+
+
+def test_an_int8_capture_serves_its_quantized_graph_and_says_what_it_measured(mlp_int8):
+    model, counted, f, x, said = mlp_int8
+    assert not said, said  # served at the precision asked for: nothing to say
+    info = f.captures[0]
+    assert info.precision.startswith("int8, agreement with fp32"), info.precision
+    assert "cosine 0.99" in info.precision and "precision: int8" in str(info)
+    before = counted.calls
+    y, _ = called(f, x)
+    assert counted.calls == before  # served by the graph
+    eager = model(x).detach()
+    assert not torch.allclose(y, eager, rtol=1e-4, atol=1e-5)  # really int8: fp32 would pass this
+    assert cosine(y, eager) >= 0.999
+    ops = {n.op_type for n in f.graphs()[0].model_proto.graph.node}
+    assert ops & QUANTIZED_OPS and "Gemm" not in ops
+
+
+def test_a_transformer_serves_in_int8_at_other_sizes(bert_int8):
+    model, f = bert_int8
+    graph = f.graphs()[0]
+    ops = {n.op_type for n in graph.model_proto.graph.node}
+    assert ops & QUANTIZED_OPS, ops
+    ids = torch.randint(1, 200, (3, 24))  # other sizes: the dynamic graph serves them
+    served, _ = called(f, input_ids=ids, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        eager = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert cosine(served.last_hidden_state, eager.last_hidden_state) >= 0.999
+    assert f.captures[0].hits >= 1
+
+
+def test_the_int8_graph_ships_loads_anywhere_and_validates_by_its_agreement(mlp_int8, tmp_path):
+    model, _, f, x, _ = mlp_int8
+    path = f.graphs()[0].save(tmp_path / "mlp_int8.onnx")
+    onnx.checker.check_model(str(path), full_check=True)
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    name = plain.get_inputs()[0].name
+    (out,) = plain.run(None, {name: x.numpy()})
+    eager = model(x).detach().numpy()
+    assert cosine(torch.from_numpy(out), torch.from_numpy(eager)) >= 0.999
+    assert np.allclose(cr.load(path)(x.numpy()), out)
+    inspected = run_cli("inspect", str(path))
+    assert "precision: int8, agreement with fp32" in inspected.stdout
+    np.savez(tmp_path / "ref.npz", **{name: x.numpy()}, output=eager)
+    good = run_cli("validate", str(path), "--reference", str(tmp_path / "ref.npz"))
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "by the int8 graph's recorded agreement" in good.stdout and "int8 agreement at capture" in good.stdout
+    np.savez(tmp_path / "bad.npz", **{name: x.numpy()}, output=eager[::-1].copy())
+    bad = run_cli("validate", str(path), "--reference", str(tmp_path / "bad.npz"))
+    assert bad.returncode == 1 and "cosine" in bad.stdout
+
+
+def test_a_graph_that_int8_breaks_is_not_served_in_int8_and_says_the_figure():
+    model = Outliers().eval()
+    f = cr.compile(model, precision="int8")
+    x = outlier_input()
+    _, said = called(f, x)
+    assert len(said) == 1 and "int8 not served, fp32 serves instead" in said[0] and "cosine" in said[0], said
+    assert f.state is cr.CompiledFunction.State.Compiled
+    assert any("int8 not served" in note for note in f.capture_notes)
+    assert f.captures[0].precision.startswith("int8 not served")
+    x2 = outlier_input()
+    y, said_again = called(f, x2)
+    assert not said_again  # said once
+    with torch.inference_mode():
+        assert torch.allclose(y, model(x2), rtol=1e-4, atol=1e-3)  # the fp32 graph serves
+    assert "clika_runtime.precision" not in f.graphs()[0].metadata
+
+
+def test_the_agreement_asked_for_decides(mlp_int8):
+    model, *_ = mlp_int8
+    strict = cr.compile(model, precision="int8", agreement=cr.Agreement(cosine=0.9999999))
+    _, said = called(strict, torch.randn(8, 64))
+    assert said and "cosine" in said[0] and "< 0.9999999" in said[0]
+    cr.config.agreement = cr.Agreement(cosine=0.9, max_abs=1e-9)  # the process-wide default
+    loose = cr.compile(model, precision="int8")
+    _, said = called(loose, torch.randn(8, 64))
+    assert said and "max abs difference" in said[0]
+
+
+def test_bad_precisions_are_refused_in_one_line():
+    model = mlp()
+    with pytest.raises(ValueError, match="precision: expected one of 'fp32', 'int8', 'fp16', got 'int4'"):
+        cr.compile(model, precision="int4")
+    with pytest.raises(cr.PlaceError, match="fp16' needs a CUDA place.*use precision='int8' on CPU"):
+        cr.compile(model, precision="fp16", place="cpu")
+    with pytest.raises(TypeError, match="agreement: expected clika_runtime.Agreement, got float"):
+        cr.compile(model, precision="int8", agreement=0.99)
+    with pytest.raises(ValueError, match="Agreement.cosine"):
+        cr.Agreement(cosine=2.0)
+
+
+def test_fp32_is_unchanged():
+    model = mlp()
+    f = cr.compile(model)
+    x = torch.randn(8, 64)
+    called(f, x)
+    y, _ = called(f, x)
+    assert torch.allclose(y, model(x).detach(), rtol=1e-4, atol=1e-5)
+    assert f.captures[0].precision == "" and "clika_runtime.precision" not in f.graphs()[0].metadata
+
+
+def test_a_shipped_fp32_graph_can_be_quantized_and_checked(tmp_path):
+    model = mlp()
+    f = cr.compile(model)
+    x = torch.randn(8, 64)
+    called(f, x)
+    fp32 = f.take_graph()
+    int8 = fp32.quantized("int8")
+    domains = {n.domain for n in int8.model_proto.graph.node}
+    assert domains <= {"", "ai.onnx"}  # standard ONNX ops only
+    assert '"precision": "int8"' in int8.metadata["clika_runtime.precision"]
+    assert "clika_runtime.precision" not in fp32.metadata  # a new graph; this one unchanged
+    served = cr.load(int8.save(tmp_path / "q.onnx"))
+    assert cosine(torch.from_numpy(served(x.numpy())), model(x).detach()) >= 0.999
+    with pytest.raises(cr.VerificationError, match="falls short.*cosine"):
+        fp32.quantized("int8", agreement=cr.Agreement(cosine=0.99999999))
+    with pytest.raises(ValueError, match="already at reduced precision"):
+        int8.quantized("int8")
+    with pytest.raises(ValueError, match="expected 'int8', got 'fp16'"):
+        fp32.quantized("fp16")
+
+
+def test_the_disk_cache_keys_precision(tmp_path):
+    cr.config.cache_dir = tmp_path / "cache"
+    model = mlp()
+    x = torch.randn(8, 64)
+    called(cr.compile(model), x)  # an fp32 entry
+    int8 = cr.compile(model, precision="int8")
+    called(int8, x)
+    assert int8.captures[0].precision.startswith("int8, agreement")  # not the fp32 entry
+    restored = cr.compile(model, precision="int8")
+    called(restored, x)
+    assert restored.captures[0].precision.startswith("int8, agreement")
+    assert restored.captures[0].phases.get("export") is None  # from the cache, judged again
+
+
+def test_export_saves_int8_only_when_it_agrees(tmp_path):
+    module = tmp_path / "precision_models.py"
+    module.write_text(
+        "import torch\n"
+        "def mlp():\n    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).eval()\n"
+        "def mlp_inputs():\n    return (torch.randn(8, 64),)\n"
+        "class Outliers(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); torch.manual_seed(0); self.proj = torch.nn.Linear(16, 16, bias=False)\n"
+        "        with torch.no_grad(): self.proj.weight[:, 0] = 0.0\n"
+        "    def forward(self, x): return self.proj(x)\n"
+        "def outliers():\n    return Outliers().eval()\n"
+        "def outlier_inputs():\n    x = torch.randn(4, 16); x[:, 0] = 1e4; return (x,)\n"
+    )
+    ok = run_cli("export", "precision_models:mlp", "--inputs", "precision_models:mlp_inputs", "--out",
+                 str(tmp_path / "m.onnx"), "--precision", "int8", cwd=tmp_path)
+    assert ok.returncode == 0 and "int8, agreement with fp32" in ok.stdout, ok.stderr
+    refused = run_cli("export", "precision_models:outliers", "--inputs", "precision_models:outlier_inputs", "--out",
+                      str(tmp_path / "o.onnx"), "--precision", "int8", cwd=tmp_path)
+    assert refused.returncode == 1 and "nothing saved: int8 not served" in refused.stderr
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env_path = str(cwd) if cwd is not None else ""
+    return subprocess.run([sys.executable, "-m", "clika_runtime", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**__import__("os").environ, "PYTHONPATH": env_path}, timeout=300)
