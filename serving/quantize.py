@@ -1,131 +1,166 @@
-"""Reduced-precision copies of an exported graph: onnxruntime's dynamic int8, and fp16.
+"""Reduced-precision copies of a graph: dynamic int8 (CPU) and fp16 (CUDA).
 
-int8 (CPU): weights stored as int8 and each MatMul's activations quantized per call to uint8
-(``DynamicQuantizeLinear`` + ``MatMulInteger``, which onnxruntime fuses into one kernel), the form
-onnxruntime recommends for transformers on x86 (U8S8: uint8 activations, int8 weights, in the
-operator form; S8S8 is slow there). Only MatMuls with a constant weight are quantized: attention's
-products of two activations stay fp32, as do layer norms and softmax. Quantizing the graph with
-onnxruntime's fused kernels (exporters.fusion) keeps attention fused at long sequences.
+int8: each ``MatMul`` whose second input is a constant 2-D weight becomes onnxruntime's dynamic
+int8 form, in standard ONNX ops: the activations are quantized per call to uint8
+(``DynamicQuantizeLinear``, once per tensor however many MatMuls read it), the weight is stored
+as int8 with one symmetric scale per output column, and ``MatMulInteger`` + ``Cast`` + ``Mul``
+compute the product, which onnxruntime fuses into one kernel (``DynamicQuantizeMatMul``). This is
+U8S8 in the operator form, what onnxruntime recommends for transformers on x86 (S8S8 is slow
+there; U8S8 may saturate on CPUs without VNNI). Attention's products of two activations stay
+fp32, as do norms and softmax. A ``Gemm`` with a constant weight (a 2-D ``nn.Linear``) is
+rewritten as ``MatMul`` + ``Add`` first. The weights are quantized here, vectorised (onnxruntime's
+own quantizer loops over channels in Python: 18 s for BERT-base, against well under one here).
 
-fp16 (CUDA): every float32 weight and op in float16, the inputs and outputs kept float32 (casts
-at the edges), so the caller's dtypes do not change.
+fp16: every float32 weight and op in float16, inputs and outputs kept float32 (casts at the
+edges), so the caller's dtypes do not change.
 
 Both read a graph file and write another; neither checks numbers: the caller measures how
-closely the result agrees with its reference before serving it. Here, not in exporters/, because
-they take any ONNX graph and need no torch: a shipped fp32 graph can be quantized on a box
-without it (``ModelGraph.quantized``).
+closely the result agrees with its reference before serving it. No torch: a shipped fp32 graph
+can be quantized on a box with onnxruntime only (``ModelGraph.quantized``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import warnings
-from typing import Iterator
+from typing import Any
 
-# The ops onnxruntime's dynamic quantization turns into integer ops that run faster on x86.
-# Conv (ConvInteger) and Gather (embeddings) are left fp32: ConvInteger runs slower than fp32
-# Conv on onnxruntime's CPU provider, and a quantized embedding adds error for no speed.
-INT8_OPS = ("MatMul", "Attention")
+import numpy as np
+
 _TWO_GB = 2**31
+_INT8_MAX = 127  # symmetric: -127..127, so a weight and its negation quantize alike
 
 
-def quantize_int8(source: str, target: str, *, per_channel: bool = True) -> int:
-    """Write ``source``'s graph with onnxruntime's dynamic int8 quantization to ``target``; return
-    how many ops were quantized (0: nothing to quantize, ``target`` not written)."""
+def quantize_int8(source: str, target: str) -> int:
+    """Write ``source``'s graph with its constant-weight MatMuls in dynamic int8 to ``target``;
+    return how many were quantized (0: nothing to quantize, ``target`` not written)."""
     import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = onnx.load(source)  # with its external data
-    _gemms_as_matmuls(model)
-    if not any(node.op_type in INT8_OPS for node in model.graph.node):
+    graph = model.graph
+    _gemms_as_matmuls(graph)
+    weights = {t.name: t for t in graph.initializer}
+    quantized: dict[str, tuple[str, str, str]] = {}  # fp32 weight -> (int8 weight, scale, zero point)
+    activations: dict[str, tuple[str, str, str]] = {}  # fp32 activation -> its DynamicQuantizeLinear outputs
+    nodes: list[Any] = []
+    count = 0
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if node.op_type == "MatMul" and not node.domain else None
+        if weight is None or weight.data_type != onnx.TensorProto.FLOAT or len(weight.dims) != 2:
+            nodes.append(node)
+            continue
+        if weight.name not in quantized:
+            quantized[weight.name] = _quantized_weight(graph, weight)
+        if node.input[0] not in activations:
+            activations[node.input[0]] = _quantized_activation(nodes, node.input[0])
+        nodes += _integer_matmul(node, activations[node.input[0]], quantized[weight.name])
+        count += 1
+    if not count:
         return 0
-    large = not _fits_proto(model)  # the int8 graph is smaller, but keep a large one's layout
-    with _quantizer_quiet():
-        quantize_dynamic(model, target, weight_type=QuantType.QInt8, per_channel=per_channel,
-                         op_types_to_quantize=list(INT8_OPS), use_external_data_format=large,
-                         extra_options={"MatMulConstBOnly": True})
-    written = onnx.load(target, load_external_data=False)
-    return sum(node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "QAttention") for node in written.graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    _drop_unused(graph)
+    _save(model, target)
+    return count
 
 
-def _gemms_as_matmuls(model: object) -> None:
-    """Rewrite each ``Gemm`` with a constant weight (a 2-D ``nn.Linear``, as the exporter writes it)
-    as ``MatMul`` + ``Add``, which dynamic quantization takes (it has no integer Gemm)."""
-    import numpy as np
-    import onnx
+def _quantized_weight(graph: Any, weight: Any) -> tuple[str, str, str]:
+    """The int8 weight, its per-column scale and zero point, added to ``graph``'s initializers."""
+    from onnx import numpy_helper
+
+    values = numpy_helper.to_array(weight).astype(np.float32)
+    scale = np.abs(values).max(axis=0) / _INT8_MAX
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)  # an all-zero column: any scale
+    codes = np.clip(np.rint(values / scale), -_INT8_MAX, _INT8_MAX).astype(np.int8)
+    names = (f"{weight.name}_int8", f"{weight.name}_scale", f"{weight.name}_zero_point")
+    for array, name in zip((codes, scale, np.zeros(scale.shape, np.int8)), names):
+        graph.initializer.append(numpy_helper.from_array(array, name))
+    return names
+
+
+def _quantized_activation(nodes: list[Any], name: str) -> tuple[str, str, str]:
+    from onnx import helper
+
+    outputs = (f"{name}_uint8", f"{name}_uint8_scale", f"{name}_uint8_zero_point")
+    nodes.append(helper.make_node("DynamicQuantizeLinear", [name], list(outputs), name=f"{name}_quantize"))
+    return outputs
+
+
+def _integer_matmul(node: Any, activation: tuple[str, str, str], weight: tuple[str, str, str]) -> list[Any]:
+    """``node``'s product in integers, rescaled to float32 into its own output name."""
+    from onnx import TensorProto, helper
+
+    (a, a_scale, a_zero), (b, b_scale, b_zero) = activation, weight
+    out, base = node.output[0], node.name or node.output[0]
+    return [
+        helper.make_node("Mul", [a_scale, b_scale], [f"{out}_scales"], name=f"{base}_scales"),
+        helper.make_node("MatMulInteger", [a, b, a_zero, b_zero], [f"{out}_int32"], name=f"{base}_integer"),
+        helper.make_node("Cast", [f"{out}_int32"], [f"{out}_float"], name=f"{base}_cast", to=TensorProto.FLOAT),
+        helper.make_node("Mul", [f"{out}_float", f"{out}_scales"], [out], name=f"{base}_rescale"),
+    ]
+
+
+def _gemms_as_matmuls(graph: Any) -> None:
+    """Rewrite each ``Gemm`` with a constant weight (a 2-D ``nn.Linear``, as the exporter writes
+    it) as ``MatMul`` + ``Add``."""
     from onnx import helper, numpy_helper
 
-    graph = model.graph  # type: ignore[attr-defined]
     weights = {t.name: t for t in graph.initializer}
     nodes = []
     for node in graph.node:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         plain = attributes.get("alpha", 1.0) == 1.0 and attributes.get("beta", 1.0) == 1.0 and not attributes.get("transA", 0)
-        if node.op_type != "Gemm" or not plain or node.input[1] not in weights:
+        if node.op_type != "Gemm" or node.domain or not plain or node.input[1] not in weights:
             nodes.append(node)
             continue
         weight = weights[node.input[1]]
         if attributes.get("transB", 0):
             transposed = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), f"{weight.name}_t")
             graph.initializer.append(transposed)
-            weights[transposed.name] = transposed
-            weight = transposed
-        product = f"{node.output[0]}_matmul" if len(node.input) > 2 and node.input[2] else node.output[0]
+            weights[transposed.name] = weight = transposed
+        biased = len(node.input) > 2 and node.input[2]
+        product = f"{node.output[0]}_matmul" if biased else node.output[0]
         nodes.append(helper.make_node("MatMul", [node.input[0], weight.name], [product], name=f"{node.name}_matmul"))
-        if product != node.output[0]:
+        if biased:
             nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=f"{node.name}_add"))
     del graph.node[:]
     graph.node.extend(nodes)
-    used = {name for node in graph.node for name in node.input}
-    unused = [t for t in graph.initializer if t.name not in used]  # the untransposed weights
-    for tensor in unused:
+
+
+def _drop_unused(graph: Any) -> None:
+    """Remove initializers no node reads any more (the fp32 weights that were quantized)."""
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    for attribute_graph in (a.g for node in graph.node for a in node.attribute if a.HasField("g")):
+        used |= {name for node in attribute_graph.node for name in node.input}  # read by a subgraph
+    for tensor in [t for t in graph.initializer if t.name not in used]:
         graph.initializer.remove(tensor)
-    onnx.checker.check_model(model)  # type: ignore[arg-type]
+
+
+def _save(model: Any, target: str) -> None:
+    import onnx
+
+    large = sum(len(t.raw_data) for t in model.graph.initializer) > _TWO_GB - 2**26
+    onnx.save_model(model, target, save_as_external_data=large, all_tensors_to_one_file=True,
+                    location=f"{os.path.basename(target)}.data", size_threshold=1024)
 
 
 def to_fp16(source: str, target: str) -> int:
     """Write ``source``'s graph with float16 weights and compute to ``target``, inputs and outputs
-    kept float32; return how many float32 tensors were converted."""
+    kept float32; return how many float32 weights were converted."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     model = onnx.load(source)
     before = sum(t.data_type == onnx.TensorProto.FLOAT for t in model.graph.initializer)
-    with _quantizer_quiet():
-        converted = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True)
-    onnx.save_model(converted, target, save_as_external_data=not _fits_proto(converted),
-                    location=f"{os.path.basename(target)}.data")
-    return before
-
-
-def _fits_proto(model: object) -> bool:
-    try:
-        return model.ByteSize() < _TWO_GB  # type: ignore[attr-defined]
-    except Exception:  # protobuf refuses to size a message past 2 GB
-        return False
-
-
-@contextlib.contextmanager
-def _quantizer_quiet() -> Iterator[None]:
-    """onnxruntime's quantizer logs through the root logger with ``logging.warning`` (a shape it
-    could not infer, advice to pre-process), which installs a console handler on the root
-    logger when none is there: keep both off the user's console while it runs (and its
-    warnings). The root logger's level is process-wide: other threads' root records are held
-    back for the few seconds it runs."""
-    root = logging.getLogger()
-    placeholder = logging.NullHandler()
-    added = not root.handlers
-    if added:
-        root.addHandler(placeholder)  # logging.warning() then sees a handler and leaves the root alone
-    level = root.level
-    root.setLevel(logging.CRITICAL)
+    logger = logging.getLogger("onnxruntime.transformers.float16")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # it logs each node it keeps in float32
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            yield
+            converted = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True)
     finally:
-        root.setLevel(level)
-        if added:
-            root.removeHandler(placeholder)
+        logger.setLevel(level)
+    _save(converted, target)
+    return before

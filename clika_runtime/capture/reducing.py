@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from clika_runtime.base import memory
 from clika_runtime.base.errors import first_line
 from clika_runtime.base.precision import FP16, INT8
 from clika_runtime.shipped import graph as graph_mod
@@ -33,6 +34,8 @@ def reduce(folder: graph_mod.GraphFolder, precision: str) -> str | None:
     except Exception as e:  # the quantizer is not on the correctness path: fp32 still serves
         folder.drop_reduced()
         return f"the {precision} conversion failed ({type(e).__name__}: {first_line(e)})"
+    finally:
+        memory.give_back()  # the converter held the fp32 model in memory (several copies of its weights)
     if not count:
         folder.drop_reduced()
         return "the graph has no MatMul with a constant weight to quantize" if precision == INT8 else \
