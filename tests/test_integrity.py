@@ -215,13 +215,18 @@ def test_a_flipped_byte_in_external_data_names_the_tensor(saved, tmp_path):
     assert cli(["validate", str(path), "--no-digest"]) == 0
 
 
-def test_a_data_file_cut_short_is_refused_not_a_signal(saved, tmp_path):
+def test_a_data_file_cut_short_or_gone_is_refused_not_a_signal(saved, tmp_path):
     _, external = saved
     path = _copied(external, tmp_path / "cut")
     data_file = next(p for p in path.parent.iterdir() if p.name.endswith(".data"))
     data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
     with pytest.raises(GraphFileError, match="external data .* holds .* bytes, the tensor reads"):
         cr.load(path)
+    data_file.unlink()  # a reader that read the model just before a save removed its data file
+    for load in (cr.load, cr.ModelGraph.load):
+        with pytest.raises(GraphFileError, match="external data location .* names no file") as caught:
+            load(path)
+        assert "not a readable" not in str(caught.value)
 
 
 # --------------------------------------------------------------------------- what the digest covers

@@ -91,6 +91,8 @@ def compute(data: bytes, folder: Path | None, where: str, *, keep: dict | None =
     walk = _Walk(memoryview(data), folder, where, keep)
     try:
         graph = walk.message(0, len(data), "model", 0)
+    except GraphFileError:  # a ValueError too, already saying what is wrong
+        raise
     except (ValueError, IndexError) as e:
         raise GraphFileError(f"{where}: not a readable ONNX model (truncated or corrupt?): {e}") from None
     finally:
