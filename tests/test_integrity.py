@@ -327,3 +327,17 @@ def test_take_graph_reads_a_capture_whose_data_file_the_disk_cache_linked(tmp_pa
     served = cr.load(graph.save(tmp_path / "big.onnx"))
     with torch.inference_mode():
         torch.testing.assert_close(served(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_tensors_reading_one_region_over_and_over_are_refused_not_hashed_for_hours(saved, tmp_path):
+    _, external = saved
+    path = _copied(external, tmp_path / "overlap")
+    model = onnx.load_model(str(path), load_external_data=False)
+    first = next(t for t in model.graph.initializer if t.external_data)
+    for i in range(3):  # three more tensors on the first one's bytes
+        copy = model.graph.initializer.add()
+        copy.CopyFrom(first)
+        copy.name = f"again_{i}"
+    onnx.save_model(model, str(path))
+    with pytest.raises(GraphFileError, match="more than twice over"):
+        cr.load(path)

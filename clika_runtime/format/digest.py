@@ -186,6 +186,7 @@ class _Walk:
         self.recorded: str | None = None
         self.cut: list[tuple[int, int]] = []
         self._files: dict[str, BinaryIO] = {}
+        self._read: dict[str, int] = {}  # bytes read per external file
 
     def message(self, start: int, end: int, kind: str, depth: int) -> bytes:
         """The digest of one message on the way to tensors (a tensor's own, without its data)."""
@@ -255,16 +256,24 @@ class _Walk:
         """Hash (and keep, when asked) a tensor's bytes in its external file."""
         location = os.fsdecode(entries.get(b"location", b""))
         offset, length = entries.get(b"offset"), entries.get(b"length")
-        if self.keep is not None:
-            chunk = region(self.folder, location, offset, length, name, self.where)
-            content.update(chunk)
-            self.keep[(location, offset, length)] = chunk
-            return
         if location not in self._files:
             self._files[location] = _opened(self.folder, location, name, self.where)
         handle = self._files[location]
         start, left = _bounds(handle, offset, length, location, name, self.where)
+        # A hostile file could point thousands of tensors at one large region: reading more than
+        # the data files hold twice over is refused, not hashed for hours.
+        self._read[location] = self._read.get(location, 0) + left
+        if self._read[location] > 2 * os.fstat(handle.fileno()).st_size:
+            raise GraphFileError(f"{self.where}: tensor '{name}': the tensors read external data {location!r} more "
+                                 f"than twice over (overlapping regions): refused")
         handle.seek(start)
+        if self.keep is not None:
+            chunk = handle.read(left)
+            if len(chunk) < left:
+                raise _short(self.where, location, name)
+            content.update(chunk)
+            self.keep[(location, offset, length)] = chunk
+            return
         buffer = memoryview(bytearray(min(_CHUNK, left)))
         while left:
             n = handle.readinto(buffer[:min(_CHUNK, left)])

@@ -142,7 +142,8 @@ class ModelGraph:
         from clika_runtime.shipped.served import ServedGraph
 
         source, folder = session_source(self._proto)
-        return ServedGraph(source, place, output_types=output_types, keep=folder)
+        # A temporary file of our own when the graph is past protobuf's limit: it has no digest to check.
+        return ServedGraph(source, place, output_types=output_types, keep=folder, verify_digest=False)
 
     def __repr__(self) -> str:
         return f"ModelGraph({self.graph_name!r}, inputs={self.input_names}, outputs={self.output_names})"
