@@ -222,7 +222,7 @@ class GraphFolder:
         return sorted(p for p in self.path.iterdir() if p.is_file())
 
 
-def _place_external_data(proto: Any, path: Path, regions: Mapping[tuple[str, bytes | None, bytes | None], bytes]
+def _place_external_data(proto: Any, path: Path, regions: dict[tuple[str, bytes | None, bytes | None], bytes]
                          ) -> None:
     """Put each external tensor's bytes in ``proto``: those the digest check read (``regions``),
     else read now. Read here rather than by onnx, which refuses a data file with several hard
@@ -237,7 +237,7 @@ def _place_external_data(proto: Any, path: Path, regions: Mapping[tuple[str, byt
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
         offset, length = (info[k].encode() if k in info else None for k in ("offset", "length"))
-        data = regions.get((location, offset, length))
+        data = regions.pop((location, offset, length), None)  # let go of each as it is placed: one copy at a time
         if data is None:
             data = digest.region(folder, location, offset, length, tensor.name, str(path))
         tensor.raw_data = data
