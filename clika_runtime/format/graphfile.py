@@ -204,6 +204,7 @@ def _tensor(data: memoryview, start: int, end: int, references: list[Reference])
 
 
 def entry(data: memoryview, start: int, end: int) -> tuple[bytes, bytes]:
+    """The key and value of a ``StringStringEntryProto`` (metadata, external data) in ``data[start:end]``."""
     found = {1: b"", 2: b""}
     for number, wire, value_start, value_end in _fields(data, start, end):
         if number in found and wire == LENGTH:
@@ -278,6 +279,7 @@ def _group_end(data: memoryview, pos: int, end: int, number: int) -> int:
 
 
 def varint(data: memoryview, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it."""
     result = shift = 0
     while pos < end and shift < 70:
         byte = data[pos]
