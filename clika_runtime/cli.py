@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-digest", action="store_true", help="skip the content digest check (for files verified "
+                   "another way)")
     p.set_defaults(run=_validate)
 
     p = sub.add_parser("export", help="capture a callable once and save its graph")
@@ -83,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamic-batching", action="store_true", help="Triton's dynamic batcher (needs --max-batch-size)")
     p.add_argument("--instances", type=int, default=1, help="model instances")
     p.add_argument("--gpu", action="store_true", help="instances on GPUs (KIND_GPU) instead of CPUs")
+    p.add_argument("--no-digest", action="store_true", help="read the graph without checking its content digest")
     p.set_defaults(run=_triton)
 
     p = sub.add_parser("serve", help="serve a graph over the KServe v2 HTTP protocol on Ray Serve, with dynamic batching")
@@ -117,7 +120,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     report = validate_graph(
         args.model, reference=args.reference, dims=_parse_dims(args.dims), place=args.place,
-        rtol=args.rtol, atol=args.atol,
+        rtol=args.rtol, atol=args.atol, verify_digest=not args.no_digest,
     )
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1
@@ -126,7 +129,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _triton(args: argparse.Namespace) -> int:
     from clika_runtime.shipped.graph import ModelGraph
 
-    folder = ModelGraph.load(args.model).to_triton(
+    folder = ModelGraph.load(args.model, verify_digest=not args.no_digest).to_triton(
         args.repository, args.name, version=args.version, max_batch_size=args.max_batch_size,
         dynamic_batching=args.dynamic_batching, instances=args.instances, kind="gpu" if args.gpu else "cpu",
     )

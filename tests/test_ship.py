@@ -133,16 +133,22 @@ def test_load_works_without_torch_optree_or_onnx(shipped):
 def test_external_data_on_request_and_model_graph_load(shipped, tmp_path):
     model, graph, _, _ = shipped
     path = graph.save(tmp_path / "ext.onnx", external_data=True)
-    assert (tmp_path / "ext.onnx.data").is_file()
-    size = (tmp_path / "ext.onnx.data").stat().st_size
+    data = _data_file(path)  # named after the content: ext.onnx.<16 hex digits>.data
+    size = data.stat().st_size
     graph.save(tmp_path / "ext.onnx", external_data=True)  # saved again over itself: replaced, not appended
-    assert (tmp_path / "ext.onnx.data").stat().st_size == size
+    assert _data_file(path) == data and data.stat().st_size == size
     assert graph.model_proto.graph.initializer[0].data_location == onnx.TensorProto.DEFAULT  # proto untouched
     loaded = cr.ModelGraph.load(path)
     assert loaded.input_names == graph.input_names and loaded.output_names == graph.output_names
     served = loaded.serve("cpu")
     tokens, scale = torch.randint(0, 10, (2, 3)), torch.rand(2, 3)
     torch.testing.assert_close(served(tokens, extra={"scale": scale})["pooled"], _expected(model, tokens, scale)["pooled"])
+
+
+def _data_file(model: Path) -> Path:
+    """The one external data file a save wrote beside ``model``."""
+    (data,) = model.parent.glob(f"{model.name}.*.data")
+    return data
 
 
 def test_broken_files_give_clear_errors(shipped, tmp_path):
@@ -156,7 +162,7 @@ def test_broken_files_give_clear_errors(shipped, tmp_path):
     with pytest.raises(GraphFileError, match="truncated or corrupt"):
         cr.ModelGraph.load(truncated)
     ext = graph.save(tmp_path / "ext.onnx", external_data=True)
-    (tmp_path / "ext.onnx.data").unlink()
+    _data_file(ext).unlink()
     with pytest.raises(GraphFileError, match="external data"):
         cr.load(ext)
 
@@ -341,7 +347,7 @@ def test_models_past_the_protobuf_limit_use_external_data_everywhere(tmp_path, m
         torch.testing.assert_close(f(x), model(x))  # served from a session opened on external data
         graph = f.take_graph()
     path = graph.save(tmp_path / "big.onnx")
-    assert (tmp_path / "big.onnx.data").is_file()  # external data chosen automatically
+    assert _data_file(path).is_file()  # external data chosen automatically
     with torch.no_grad():
         torch.testing.assert_close(cr.load(path)(x), model(x))
         torch.testing.assert_close(graph.serve()(x), model(x))

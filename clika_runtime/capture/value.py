@@ -66,7 +66,8 @@ class Capture:
         the sizes 0/1 verified since the capture). At reduced precision, the graph that serves
         (made from the fused graph where fusions applied: it loads in any onnxruntime) with its
         measured agreement; else the portable graph."""
-        graph = graph_mod.ModelGraph.load(self.folder.model if self.precision is None else self.folder.reduced)
+        path = self.folder.model if self.precision is None else self.folder.reduced
+        graph = graph_mod.ModelGraph.load(path, verify_digest=False)  # our own file: no digest
         entries: dict[str, Any] = {metadata.META_GUARD: guards.to_json(self.guard)}
         if self.precision is not None:
             entries[metadata.META_PRECISION] = self.precision.to_json()

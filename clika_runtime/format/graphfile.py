@@ -11,12 +11,14 @@ beside it (onnx refuses them since 1.16). A node may also be a provider's precom
 The protobuf wire format is read here, because ``cr.load`` runs where only onnxruntime and numpy
 are installed, and onnxruntime says nothing about a model's external data. Only the fields on the
 way to a tensor's external data or a node's op type are decoded; everything else (weights
-included) is skipped by its length, on a memory map, so a file of gigabytes is not read whole.
+included) is skipped by its length. The file is read once into memory, not mapped: a map faults
+(SIGBUS, a dead process) when another process truncates the file under it, where a read sees a
+short file and the parse refuses it with ``GraphFileError``. The bytes read are the bytes checked,
+digested (digest.py) and opened.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ MAX_NESTING = 100  # protobuf's own default recursion limit: onnxruntime refuses
 
 # Message -> {field number: message that field holds}, from onnx.proto: only the paths that lead
 # to a TensorProto or a NodeProto's op type. A "tensor" is read by its own function.
-_PATHS: dict[str, dict[int, str]] = {
+PATHS: dict[str, dict[int, str]] = {
     "model": {7: "graph", 20: "training", 25: "function"},  # ModelProto
     "training": {1: "graph", 2: "graph"},  # TrainingInfoProto: initialization, algorithm
     "function": {7: "node", 11: "attribute"},  # FunctionProto: node, attribute_proto (defaults)
@@ -42,8 +44,8 @@ _PATHS: dict[str, dict[int, str]] = {
     "node": {5: "attribute"},  # NodeProto: attribute
     "sparse": {1: "tensor", 2: "tensor"},  # SparseTensorProto: values, indices
 }
-_VARINT, _FIXED64, _LENGTH, _GROUP_START, _GROUP_END, _FIXED32 = range(6)
-_EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
+VARINT, FIXED64, LENGTH, GROUP_START, GROUP_END, FIXED32 = range(6)
+EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
 
 
 @dataclass(frozen=True)
@@ -62,23 +64,38 @@ class Contents:
     code_nodes: tuple[str, ...]  # "op_type 'name'" of each node of an op in CODE_OPS
 
 
-def check(path: str | os.PathLike) -> None:
+@dataclass(frozen=True)
+class Checked:
+    """A model file's bytes, as read once and checked."""
+
+    data: bytes
+    contents: Contents
+
+
+def check(path: str | os.PathLike) -> Checked:
     """``GraphFileError`` unless every tensor of the model at ``path`` keeps its data in the file
-    itself or in a regular file inside the file's folder, and no node runs code (``CODE_OPS``)."""
+    itself or in a regular file inside the file's folder, and no node runs code (``CODE_OPS``);
+    else the bytes checked, for the caller to use instead of reading the file again."""
     path = Path(path)
-    try:
-        with path.open("rb") as handle:
-            if os.fstat(handle.fileno()).st_size == 0:
-                raise GraphFileError(f"{path}: empty file, not an ONNX model")
-            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-                contents = scan(view, str(path))
-    except OSError as e:
-        raise GraphFileError(f"{path}: cannot read it: {e.strerror or e}") from None
+    data = read_bytes(path)
+    contents = scan(memoryview(data), str(path))
     # The folder as the runtime sees it: the parent of the path it is given, links not followed.
     folder = path.absolute().parent
     problems = [f"tensor '{r.tensor}': external data location {_shown(r.location)} {why}"
                 for r in contents.references if (why := outside(folder, r.location))]
     _refuse(str(path), [_code_problem(n) for n in contents.code_nodes] + problems)
+    return Checked(data, contents)
+
+
+def read_bytes(path: Path) -> bytes:
+    """The whole file, or ``GraphFileError`` naming it when it cannot be read or is empty."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise GraphFileError(f"{path}: cannot read it: {e.strerror or e}") from None
+    if not data:
+        raise GraphFileError(f"{path}: empty file, not an ONNX model")
+    return data
 
 
 def check_serialized(model: bytes, where: str) -> None:
@@ -154,10 +171,10 @@ def _message(data: memoryview, start: int, end: int, kind: str, depth: int,
     if kind == "tensor":
         _tensor(data, start, end, references)
         return
-    paths = _PATHS[kind]
+    paths = PATHS[kind]
     name = op_type = b""
     for number, wire, value_start, value_end in _fields(data, start, end):
-        if wire != _LENGTH:  # a known field number with another wire type is an unknown field to protobuf
+        if wire != LENGTH:  # a known field number with another wire type is an unknown field to protobuf
             continue
         if kind == "node" and number == 3:
             name = bytes(data[value_start:value_end])
@@ -172,24 +189,25 @@ def _message(data: memoryview, start: int, end: int, kind: str, depth: int,
 def _tensor(data: memoryview, start: int, end: int, references: list[Reference]) -> None:
     name, location, external, entries = b"", None, False, False
     for number, wire, value_start, value_end in _fields(data, start, end):
-        if number == 8 and wire == _LENGTH:  # name
+        if number == 8 and wire == LENGTH:  # name
             name = bytes(data[value_start:value_end])
-        elif number == 13 and wire == _LENGTH:  # external_data: StringStringEntryProto
+        elif number == 13 and wire == LENGTH:  # external_data: StringStringEntryProto
             entries = True
-            key, value = _entry(data, value_start, value_end)
+            key, value = entry(data, value_start, value_end)
             if key == b"location":
                 location = value
-        elif number == 14 and wire == _VARINT:  # data_location
-            external = value_start == _EXTERNAL
+        elif number == 14 and wire == VARINT:  # data_location
+            external = value_start == EXTERNAL
     if external or entries:
         # os.fsdecode: the path exactly as the runtime would open it, undecodable bytes included
         references.append(Reference(name.decode("utf-8", "replace")[:100], os.fsdecode(location or b"")))
 
 
-def _entry(data: memoryview, start: int, end: int) -> tuple[bytes, bytes]:
+def entry(data: memoryview, start: int, end: int) -> tuple[bytes, bytes]:
+    """The key and value of a ``StringStringEntryProto`` (metadata, external data) in ``data[start:end]``."""
     found = {1: b"", 2: b""}
     for number, wire, value_start, value_end in _fields(data, start, end):
-        if number in found and wire == _LENGTH:
+        if number in found and wire == LENGTH:
             found[number] = bytes(data[value_start:value_end])
     return found[1], found[2]
 
@@ -197,28 +215,38 @@ def _entry(data: memoryview, start: int, end: int) -> tuple[bytes, bytes]:
 def _fields(data: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
     """(field number, wire type, value start, value end) of each field in ``data[start:end]``; for
     a varint, its value and the position after it instead."""
+    for number, wire, _, value_start, value_end in spans(data, start, end):
+        if wire == VARINT:
+            yield number, wire, varint(data, value_start, value_end)[0], value_end
+        else:
+            yield number, wire, value_start, value_end
+
+
+def spans(data: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(field number, wire type, field start, value start, value end) of each field in
+    ``data[start:end]``: the field's bytes are ``data[field start:value end]``, its value's (a
+    varint's own bytes, a length-delimited field's payload) ``data[value start:value end]``."""
     pos = start
     while pos < end:
-        tag, pos = _varint(data, pos, end)
+        field_start = pos
+        tag, pos = varint(data, pos, end)
         number, wire = tag >> 3, tag & 7
         if number == 0:
             raise ValueError(f"field number 0 at byte {pos}")
-        if wire == _VARINT:
-            value, pos = _varint(data, pos, end)
-            yield number, wire, value, pos
-            continue
-        if wire == _LENGTH:
-            length, pos = _varint(data, pos, end)
+        if wire == VARINT:
+            value_end = varint(data, pos, end)[1]
+        elif wire == LENGTH:
+            length, pos = varint(data, pos, end)
             value_end = pos + length
-        elif wire in (_FIXED64, _FIXED32):
-            value_end = pos + (8 if wire == _FIXED64 else 4)
-        elif wire == _GROUP_START:  # deprecated groups may still appear as unknown fields
+        elif wire in (FIXED64, FIXED32):
+            value_end = pos + (8 if wire == FIXED64 else 4)
+        elif wire == GROUP_START:  # deprecated groups may still appear as unknown fields
             value_end = _group_end(data, pos, end, number)
         else:
             raise ValueError(f"wire type {wire} at byte {pos}")
         if value_end > end:
             raise ValueError(f"field {number} runs past its message at byte {pos}")
-        yield number, wire, pos, value_end
+        yield number, wire, field_start, pos, value_end
         pos = value_end
 
 
@@ -226,31 +254,32 @@ def _group_end(data: memoryview, pos: int, end: int, number: int) -> int:
     """The position after the end tag of the group ``number`` that starts at ``pos``."""
     depth = 0
     while pos < end:
-        tag, pos = _varint(data, pos, end)
+        tag, pos = varint(data, pos, end)
         wire = tag & 7
-        if wire == _GROUP_END:
+        if wire == GROUP_END:
             if depth == 0:
                 if tag >> 3 != number:
                     raise ValueError(f"group {number} ends with the tag of field {tag >> 3}")
                 return pos
             depth -= 1
-        elif wire == _GROUP_START:
+        elif wire == GROUP_START:
             depth += 1
             if depth > MAX_NESTING:
                 raise ValueError(f"groups nested deeper than {MAX_NESTING}")
-        elif wire == _VARINT:
-            pos = _varint(data, pos, end)[1]
-        elif wire == _LENGTH:
-            length, pos = _varint(data, pos, end)
+        elif wire == VARINT:
+            pos = varint(data, pos, end)[1]
+        elif wire == LENGTH:
+            length, pos = varint(data, pos, end)
             pos += length
-        elif wire in (_FIXED64, _FIXED32):
-            pos += 8 if wire == _FIXED64 else 4
+        elif wire in (FIXED64, FIXED32):
+            pos += 8 if wire == FIXED64 else 4
         else:
             raise ValueError(f"wire type {wire} at byte {pos}")
     raise ValueError(f"group {number} has no end")
 
 
-def _varint(data: memoryview, pos: int, end: int) -> tuple[int, int]:
+def varint(data: memoryview, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it."""
     result = shift = 0
     while pos < end and shift < 70:
         byte = data[pos]
@@ -282,14 +311,18 @@ def existing(path: str | os.PathLike, *, folders: bool = False) -> Path:
 
 
 def read_checked(path: str | os.PathLike) -> tuple[Path, Any]:
-    """A graph file checked as untrusted bytes (``check``), then read without its external data:
+    """A graph file checked as untrusted bytes (``check``), then parsed without its external data:
     the path and the ``onnx.ModelProto``; ``GraphFileError`` for a file that is missing, reaches
     outside its folder, or is not a readable model."""
+    path = existing(path)
+    return path, parsed(check(path).data, path)
+
+
+def parsed(data: bytes, path: Path) -> Any:
+    """The ``onnx.ModelProto`` of a model file's bytes (its external data not read)."""
     import onnx
 
-    path = existing(path)
-    check(path)
     try:
-        return path, onnx.load_model(str(path), load_external_data=False)
+        return onnx.load_model_from_string(data)
     except Exception as e:
         raise GraphFileError(f"{path}: not a readable ONNX model (truncated or corrupt?): {e}") from e

@@ -8,7 +8,9 @@ Schema 2 (this version): ``clika_runtime.schema`` = "2", ``clika_runtime.version
 version that wrote it), ``clika_runtime.inputs`` / ``clika_runtime.outputs`` (tree descriptions,
 treedesc.py), ``clika_runtime.dims`` (per input, each axis an int or a dim name),
 ``clika_runtime.parameters`` (the target's positional parameter names), ``clika_runtime.guard``
-(guards/json_form.py), and for a reduced-precision graph ``clika_runtime.precision`` (its precision,
+(guards/json_form.py), ``clika_runtime.digest`` (the content digest, digest.py: written by
+``ModelGraph.save``; files written before it, or by other tools, have none, and no reader of
+schema 2 needs it), and for a reduced-precision graph ``clika_runtime.precision`` (its precision,
 the agreement it was accepted by and what was measured: ``base.precision.Record``; absent for
 fp32, so older readers of schema 2 still read such files). Schema 1 (files of clika_runtime 0.1, no schema key) had no guard.
 """
@@ -35,6 +37,7 @@ META_DIMS = "clika_runtime.dims"
 META_PARAMETERS = "clika_runtime.parameters"
 META_GUARD = "clika_runtime.guard"
 META_PRECISION = "clika_runtime.precision"
+META_DIGEST = "clika_runtime.digest"
 
 MAX_VALUE_BYTES = 4 * 2**20  # far above any real description; a 50 MB value is an attack or a bug
 _MAX_SCHEMA_DIGITS = 9

@@ -12,13 +12,12 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Literal, Mapping
 
-from clika_runtime.base.errors import GraphFileError
 from clika_runtime.base.precision import Agreement
 from clika_runtime.base.specs import PlaceLike
-from clika_runtime.format import graphfile, metadata
-from clika_runtime.format.graphfile import too_big
+from clika_runtime.format import digest, graphfile, metadata, writing
+from clika_runtime.format.graphfile import existing, too_big
 from clika_runtime.format.interface import interface
 
 
@@ -79,26 +78,18 @@ class ModelGraph:
         return {p.key: p.value for p in self._proto.metadata_props}
 
     def save(self, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
-        """Write the graph to ``path`` (a ``.onnx`` file).
+        """Write the graph to ``path`` (a ``.onnx`` file), with its content digest in the metadata.
 
-        ``external_data``: ``None`` puts weights in ``<name>.data`` beside the file only when the
-        model is past protobuf's 2 GB limit; ``True`` always; ``False`` never. The graph in memory
-        is not changed.
+        ``external_data``: ``None`` puts weights in a data file beside the file only when the
+        model is past protobuf's 2 GB limit; ``True`` always; ``False`` never. The data file is
+        named after the content (``<name>.<digest>.data``). The write is atomic: each file is
+        written under a temporary name in the same folder and renamed into place, the data file
+        before the model, so a reader sees the old graph or the new one, whole. The graph in
+        memory is not changed.
         """
-        import onnx
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         if external_data is None:
             external_data = too_big(self._proto)
-        if external_data:
-            copy = ModelGraph.copy_of(self._proto).model_proto  # saving moves weights out of the proto it is given
-            (path.parent / f"{path.name}.data").unlink(missing_ok=True)  # onnx appends to an existing data file
-            _mark_weights_external(copy, f"{path.name}.data")
-            onnx.save_model(copy, str(path))
-        else:
-            onnx.save_model(self._proto, str(path))
-        return path
+        return writing.save(self._proto, Path(path), external_data=external_data)
 
     def quantized(self, precision: str = "int8", *, agreement: Agreement | None = None) -> "ModelGraph":
         """This graph at reduced precision, as a new graph: ``"int8"`` is onnxruntime's dynamic
@@ -152,18 +143,18 @@ class ModelGraph:
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ModelGraph":
+    def load(cls, path: str | os.PathLike, *, verify_digest: bool = True) -> "ModelGraph":
         """Read a ``.onnx`` file (with its external data, if any, which must be regular files in its
-        folder); ``GraphFileError`` for a file that reaches outside it or whose metadata is malformed."""
-        import onnx
-
-        path, proto = graphfile.read_checked(path)
-        try:
-            onnx.load_external_data_for_model(proto, str(path.parent))
-        except FileNotFoundError as e:
-            raise GraphFileError(f"{path}: external data file missing: {e.filename or e}") from e
-        except Exception as e:
-            raise GraphFileError(f"{path}: external data unreadable: {e}") from e
+        folder); ``GraphFileError`` for a file that reaches outside it, whose metadata is malformed,
+        or whose content is not what its digest records (``verify_digest=False`` skips that check;
+        a file without a digest loads, with an INFO log line)."""
+        path = existing(path)
+        checked = graphfile.check(path)
+        regions: dict[tuple[str, bytes | None, bytes | None], bytes] = {}
+        if verify_digest:
+            digest.verify(checked.data, path.absolute().parent, str(path), keep=regions)
+        proto = graphfile.parsed(checked.data, path)
+        _place_external_data(proto, path, regions)
         metadata.read({p.key: p.value for p in proto.metadata_props}, str(path))  # refuse a malformed graph now
         return cls(proto)
 
@@ -173,7 +164,8 @@ class ModelGraph:
         from clika_runtime.shipped.served import ServedGraph
 
         source, folder = session_source(self._proto)
-        return ServedGraph(source, place, output_types=output_types, keep=folder)
+        # A temporary file of our own when the graph is past protobuf's limit: it has no digest to check.
+        return ServedGraph(source, place, output_types=output_types, keep=folder, verify_digest=False)
 
     def __repr__(self) -> str:
         return f"ModelGraph({self.graph_name!r}, inputs={self.input_names}, outputs={self.output_names})"
@@ -268,31 +260,24 @@ class GraphFolder:
         return sorted(p for p in self.path.iterdir() if p.is_file())
 
 
-def _mark_weights_external(proto: Any, location: str) -> None:
-    """Mark every floating-point tensor of ``proto`` for ``location``, whatever its size.
-
-    Integer tensors stay inline: onnxruntime needs shape-like constants (a Reshape's shape, a
-    ReduceMean's axes) in the model file to infer shapes, and they are never the bulk of a model.
-    """
+def _place_external_data(proto: Any, path: Path, regions: dict[tuple[str, bytes | None, bytes | None], bytes]
+                         ) -> None:
+    """Put each external tensor's bytes in ``proto``: those the digest check read (``regions``),
+    else read now. Read here rather than by onnx, which refuses a data file with several hard
+    links: the disk cache links its entries' files, so a capture's graph has such a data file."""
     from onnx import TensorProto
-    from onnx.external_data_helper import set_external_data
+    from onnx.external_data_helper import _get_all_tensors  # the tensors onnx itself loads data for
 
-    inline = {TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8, TensorProto.UINT8,
-              TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64, TensorProto.BOOL, TensorProto.STRING}
-    for tensor in _graph_tensors(proto.graph):
-        if tensor.data_type not in inline and tensor.HasField("raw_data"):
-            set_external_data(tensor, location)
-
-
-def _graph_tensors(graph: Any) -> Iterator[Any]:
-    """The initializers and constant tensors of ``graph`` and of the graphs nested in its nodes."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            if attribute.HasField("g"):
-                yield from _graph_tensors(attribute.g)
-            for sub in attribute.graphs:
-                yield from _graph_tensors(sub)
+    folder = path.absolute().parent
+    for tensor in _get_all_tensors(proto):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        offset, length = (info[k].encode() if k in info else None for k in ("offset", "length"))
+        data = regions.pop((location, offset, length), None)  # let go of each as it is placed: one copy at a time
+        if data is None:
+            data = digest.region(folder, location, offset, length, tensor.name, str(path))
+        tensor.raw_data = data
+        del tensor.external_data[:]
+        tensor.data_location = TensorProto.DEFAULT

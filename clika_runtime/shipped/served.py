@@ -8,6 +8,7 @@ in-process capture enforced (sizes, ranges, size conditions, lifted-number range
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -17,12 +18,13 @@ from clika_runtime.base.config import config
 from clika_runtime.base.errors import ClikaError, GraphFileError, GraphInputError, GraphRunError, PlaceError
 from clika_runtime.base.slots import KEYWORD, MISSING, slotted
 from clika_runtime.base.specs import PlaceLike, TensorInfo, resolve_place
-from clika_runtime.format import graphfile, metadata, treedesc
+from clika_runtime.format import digest, graphfile, metadata, treedesc
 from clika_runtime.format.graphfile import existing
 from clika_runtime.guards.guard import Guard, InputRule
 
 
-def load(path: str | os.PathLike, place: PlaceLike = None, *, output_types: Iterable[type] = ()) -> "ServedGraph":
+def load(path: str | os.PathLike, place: PlaceLike = None, *, output_types: Iterable[type] = (),
+         verify_digest: bool = True) -> "ServedGraph":
     """Serve a shipped ``.onnx`` file (``ModelGraph.load(path).serve(place)``, without needing onnx).
 
     Graphs saved by clika_runtime take and return the captured pytrees; any other ONNX graph takes
@@ -32,22 +34,25 @@ def load(path: str | os.PathLike, place: PlaceLike = None, *, output_types: Iter
     ``ModelOutput`` when transformers is imported) and the classes in ``output_types``; a graph
     file never makes the library import a module or call any other class. A file whose tensors
     keep data outside its folder, or whose metadata does not describe its graph, is refused with
-    ``GraphFileError`` before anything runs (docs/SECURITY.md).
+    ``GraphFileError`` before anything runs (docs/SECURITY.md). So is a file whose content is not
+    the content its digest records (a changed weight, node or metadata: the message names which);
+    ``verify_digest=False`` skips that check, for files verified another way. A file without a
+    digest (saved before clika_runtime wrote them, or by another tool) loads, with an INFO log line.
     """
-    return ServedGraph(str(existing(path)), place, output_types=output_types)
+    return ServedGraph(str(existing(path)), place, output_types=output_types, verify_digest=verify_digest)
 
 
 class ServedGraph:
     """A shipped graph served by onnxruntime, called like the function it was captured from."""
 
     def __init__(self, model: bytes | str, place: PlaceLike = None, *, output_types: Iterable[type] = (),
-                 keep: Any = None) -> None:
+                 keep: Any = None, verify_digest: bool = True) -> None:
         self._keep = keep  # a temporary folder holding the model's external data, if any
         self._place = resolve_place(place)
         where = model if isinstance(model, str) else "graph"
         # Before onnxruntime opens it: what the file makes its reader read or run besides itself.
         if isinstance(model, str):
-            graphfile.check(model)
+            model = _checked_file(model, verify_digest)
         else:
             graphfile.check_serialized(model, where)
         self._session = _open(model, self._place, where)
@@ -270,6 +275,16 @@ def _check_output_types(found: metadata.Metadata | None, types: Mapping[str, typ
 def tensor_info(value: Any) -> TensorInfo:
     """An onnxruntime session input or output (``NodeArg``) as a ``TensorInfo``."""
     return TensorInfo(value.name, serving.DTYPE_NAMES.get(value.type, value.type), tuple(value.shape))
+
+
+def _checked_file(path: str, verify_digest: bool) -> bytes | str:
+    """What onnxruntime opens of a checked file: the bytes checked (and digested), read once, so
+    that a file replaced meanwhile is not opened unchecked; the path when the model keeps data in
+    other files, which onnxruntime finds beside it (a save names each data file by its content)."""
+    checked = graphfile.check(path)
+    if verify_digest:
+        digest.verify(checked.data, Path(path).absolute().parent, path)
+    return path if checked.contents.references else checked.data
 
 
 def _open(model: bytes | str, place: serving.Place, where: str) -> Any:

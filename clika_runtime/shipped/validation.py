@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import os
 import zipfile
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ import numpy as np
 import serving
 from clika_runtime.base.errors import GraphFileError, GraphInputError, PlaceError, first_line
 from clika_runtime.base.precision import Record, measure
-from clika_runtime.format import graphfile
+from clika_runtime.format import digest, graphfile
 from clika_runtime.format.graphfile import existing
 from clika_runtime.guards.guard import Guard
 from clika_runtime.shipped.inspection import what_to_pass
@@ -34,6 +33,7 @@ logger = logging.getLogger("clika_runtime")
 # 10**12 (or a capture example that large) gets a failed check, not an allocation that never ends.
 MAX_GENERATED_ELEMENTS = 2**26
 SAFE_TO_OPEN = "readable, reads only files in its folder"  # the first check: graphfile.check
+DIGEST = "content digest"  # the second: digest.verify
 
 
 @dataclass
@@ -85,6 +85,7 @@ def validate_graph(
     rtol: float = 1e-4,
     atol: float = 1e-5,
     seed: int = 0,
+    verify_digest: bool = True,
 ) -> Report:
     """Validate a graph file; see the module docstring. Never raises for a bad graph: it reports.
 
@@ -93,6 +94,8 @@ def validate_graph(
     validated. ``dims`` gives sizes per dynamic dim name (default 1, 3, 8 each); an unknown name is
     an error (``ValueError`` listing the graph's dim names). ``reference`` is an ``.npz`` with arrays
     named after graph inputs and outputs: the graph is run on those inputs and compared with those outputs.
+    ``verify_digest``: check the content digest the file records (a file without one passes, with
+    a note in the row); False leaves the row out.
     """
     report = Report(str(path))
     path = existing(path, folders=True)
@@ -103,7 +106,8 @@ def validate_graph(
         path = _check_triton_folder(path, report)
         if path is None:
             return report
-    if not _opens_safely(path, report):
+    checked = _opens_safely(path, report)
+    if checked is None or (verify_digest and not _digest_matches(path, checked, report)):
         return report
     session = _checked_session(path, place, report)
     if session is None:
@@ -123,29 +127,41 @@ def validate_graph(
     return report
 
 
-def _opens_safely(path: Path, report: Report) -> bool:
+def _opens_safely(path: Path, report: Report) -> graphfile.Checked | None:
     """Report whether the file reads only files in its folder and runs no code (before anything
     opens it: the checker and onnxruntime would read its external data). A file that is no graph
     at all is unusable input, as a missing one is: ``GraphFileError``, not a failed check."""
     try:
-        graphfile.check(path)
+        checked = graphfile.check(path)
     except GraphFileError as e:
         if not _is_protobuf(path):
             raise
         report.add(SAFE_TO_OPEN, False, first_line(e))
-        return False
+        return None
     report.add(SAFE_TO_OPEN, True)
-    return True
+    return checked
+
+
+def _digest_matches(path: Path, checked: graphfile.Checked, report: Report) -> bool:
+    """Report whether the file's content is what its digest records; a file without one passes,
+    with a note (graphs saved before digests, other tools' graphs)."""
+    try:
+        found = digest.verify(checked.data, path.absolute().parent, str(path))
+    except GraphFileError as e:
+        return report.add(DIGEST, False, first_line(e).removeprefix(f"{path}: "))
+    if found.recorded is None:
+        return report.add(DIGEST, True, "none recorded (saved before clika_runtime wrote digests, or by another "
+                                        "tool): content not checked")
+    shown = f"{digest.ALGORITHM} {found.computed.overall[:16]}..."
+    return report.add(DIGEST, True, f"{shown} (graph + {len(found.computed.tensors)} tensors)")
 
 
 def _is_protobuf(path: Path) -> bool:
     """The file parses as a serialised model (asked only after ``graphfile.check`` refused it, to
     tell a graph reaching outside its folder from bytes that are no graph)."""
-    try:  # mapped, as graphfile.check reads it: weights are skipped by length, not read
-        with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, \
-                memoryview(mapped) as view:
-            graphfile.scan(view, str(path))
-    except (GraphFileError, OSError, ValueError):  # ValueError: an empty file cannot be mapped
+    try:  # read, not mapped, as graphfile.check reads it: a map faults when the file is truncated under it
+        graphfile.scan(memoryview(graphfile.read_bytes(path)), str(path))
+    except GraphFileError:
         return False
     return True
 

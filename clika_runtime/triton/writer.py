@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Literal, Mapping, Protocol
@@ -153,16 +154,29 @@ def _list(values: Any) -> str:
 
 
 def _write_model_file(graph: Shippable, target: Path, external_data: bool | None) -> None:
-    if target.is_dir():  # an earlier write of this version, in the multi-file layout
-        shutil.rmtree(target)
-    elif target.exists():
-        target.unlink()
+    """Write the version's model: one file, or with external data the folder Triton's docs ask for
+    (docs/model_repository.md, "ONNX Models": a folder named model.onnx holding model.onnx and the
+    other files; the backend opens <folder>/model.onnx by path, so the data resolves beside it).
+    ``save`` replaces files atomically; a change between the two layouts is made beside and
+    swapped in by two renames: a moment without a model, never half of one."""
     if external_data is None:
         external_data = too_big(graph.model_proto)
-    if external_data:
-        # docs/model_repository.md, "ONNX Models": a model of several files is a folder named
-        # model.onnx holding model.onnx and the other files; the backend opens <folder>/model.onnx
-        # by path, so external data resolves beside it.
-        graph.save(target / MODEL_FILE, external_data=True)
-    else:
-        graph.save(target, external_data=False)
+    if not target.exists() or target.is_dir() == external_data:
+        graph.save(target / MODEL_FILE if external_data else target, external_data=external_data)
+        return
+    token = secrets.token_hex(6)
+    staged, aside = target.with_name(f".{target.name}.{token}"), target.with_name(f".{target.name}.{token}.old")
+    try:
+        graph.save(staged / MODEL_FILE if external_data else staged, external_data=external_data)
+        os.replace(target, aside)
+        try:
+            os.replace(staged, target)
+        except OSError:
+            os.replace(aside, target)  # the old model back, not none
+            raise
+    finally:
+        for leftover in (staged, aside):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
