@@ -1,9 +1,9 @@
 """Benchmarks: torch eager, torch.compile (inductor), raw onnxruntime and clika_runtime, one process.
 
-    python scripts/bench.py [--sections served weights first-call cold-start threads decode real-size]
+    python scripts/bench.py [--sections served weights first-call cold-start threads decode real-size precision]
                             [--workloads mlp_b1 cnn_b1 ...] [--no-inductor] [--rounds 21] [--block 0.02]
 
-Sections (default: all but real-size, which takes minutes):
+Sections (default: all but real-size and precision, which take minutes):
 - served: the served call against eager, inductor and onnxruntime (bare run, and bound once: the floor);
 - weights: the per-call cost of checking that baked weights (and Python state) are unchanged;
 - first-call: the first compiled call against the same steps done by hand;
@@ -11,7 +11,9 @@ Sections (default: all but real-size, which takes minutes):
 - threads: two threads on a compiled function against two on InferenceSession.run (bench_threads.py);
 - decode: time per generated token, eager against served (bench_decode.py);
 - real-size: BERT-base and GPT-2 small captures, memory and speed (bench_realsize.py); BERT-base's
-  cold start (bench_startup.py --workloads bert_base_s128).
+  cold start (bench_startup.py --workloads bert_base_s128);
+- precision: BERT-base, RoBERTa-base and a small CNN served at fp32 and int8 against eager fp32,
+  bf16 autocast and torch's dynamic int8, 2 threads, with agreement figures (bench_precision.py).
 
 Every variant runs on 1 thread (torch and onnxruntime) but in real-size. Timings are interleaved in
 rounds (scripts/timing.py); each ratio is the median over rounds of that round's ratio, so it
@@ -234,12 +236,13 @@ def weights_check(names: tuple[str, ...], rounds: int, block: float) -> list[str
     return lines
 
 
-SECTIONS = ("served", "weights", "first-call", "cold-start", "threads", "decode", "real-size")
+SECTIONS = ("served", "weights", "first-call", "cold-start", "threads", "decode", "real-size", "precision")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s != "real-size"], choices=SECTIONS)
+    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s not in ("real-size", "precision")],
+                        choices=SECTIONS)
     parser.add_argument("--workloads", nargs="*", default=None)
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
     parser.add_argument("--rounds", type=int, default=21)
@@ -263,7 +266,8 @@ def main() -> int:
                             f"(target <= 1.3) {'met' if ours / hand <= 1.3 else 'MISSED'}")
     for section, script, *options in (("cold-start", "bench_startup.py"), ("threads", "bench_threads.py"),
                                       ("decode", "bench_decode.py"), ("real-size", "bench_realsize.py"),
-                                      ("real-size", "bench_startup.py", "--workloads", "bert_base_s128")):
+                                      ("real-size", "bench_startup.py", "--workloads", "bert_base_s128"),
+                                      ("precision", "bench_precision.py")):
         if section in args.sections:
             done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / script), *options],
                                   capture_output=True, text=True)
