@@ -5,8 +5,10 @@
 Installs nothing: it needs torch with CUDA, onnxruntime-gpu, onnx, onnxscript, optree, transformers
 already there. Checks, for each workload: the graph runs on the CUDA provider, outputs are CUDA
 tensors equal to eager's, a call made under a side stream sees inputs that stream wrote, CPU inputs
-given to a CUDA place come back as CPU outputs; then times eager, torch.compile and clika_runtime
-on the GPU. Prints a table; exit code 0 only when every check passed.
+given to a CUDA place come back as CPU outputs, and ``precision="fp16"`` serves a float16 graph
+(outputs in eager's dtype, cosine >= 0.999 with eager fp32, the session's graph in float16); then
+times eager, torch.compile, clika_runtime fp32 and fp16 on the GPU. Prints a table; exit code 0
+only when every check passed.
 """
 
 from __future__ import annotations
@@ -78,12 +80,32 @@ def check_workload(w: Any, inductor: bool) -> tuple[list[str], dict[str, float]]
         torch.testing.assert_close(out, first_tensor(cpu_model(*args)), rtol=1e-3, atol=1e-3)
         model = w.model.cuda()
         args = tuple(a.cuda() for a in w.inputs(w.size))
-        times = {"eager": cuda_time_us(lambda: model(*args)), "clika": cuda_time_us(lambda: f(*args))}
+        half, problems = fp16_served(model, args, w.name)
+        failures += problems
+        times = {"eager": cuda_time_us(lambda: model(*args)), "clika": cuda_time_us(lambda: f(*args)),
+                 "fp16": cuda_time_us(lambda: half(*args))}
         if inductor:
             compiled = torch.compile(model)
             compiled(*args)
             times["inductor"] = cuda_time_us(lambda: compiled(*args))
     return failures, times
+
+
+def fp16_served(model: torch.nn.Module, args: tuple, name: str) -> tuple[Any, list[str]]:
+    """``precision="fp16"`` on CUDA: served from the float16 graph, agreeing with eager fp32."""
+    problems = []
+    half = cr.compile(model, precision="fp16")
+    half(*args)
+    got, expected = first_tensor(half(*args)), first_tensor(model(*args))
+    said = half.captures[0].precision
+    if not said.startswith("fp16,"):
+        problems.append(f"{name}: fp16 not served: {said}")
+    if got.dtype != expected.dtype or not got.is_cuda:
+        problems.append(f"{name}: fp16 output {got.dtype} on {got.device}, eager {expected.dtype} on {expected.device}")
+    cosine = torch.nn.functional.cosine_similarity(got.reshape(1, -1).double(), expected.reshape(1, -1).double()).item()
+    if cosine < 0.999:
+        problems.append(f"{name}: fp16 cosine with eager {cosine:.5f} < 0.999")
+    return half, problems
 
 
 def main() -> int:
@@ -95,7 +117,7 @@ def main() -> int:
         return 2
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, onnxruntime {ort.__version__}")
     failures: list[str] = []
-    print(f"{'workload':<24}{'eager us':>10}{'inductor':>10}{'clika':>10}{'clika/eager':>13}")
+    print(f"{'workload':<24}{'eager us':>10}{'inductor':>10}{'clika':>10}{'fp16':>10}{'clika/eager':>13}{'fp16/eager':>12}")
     for w in build():
         try:
             problems, times = check_workload(w, args.inductor)
@@ -104,7 +126,8 @@ def main() -> int:
             continue
         failures += problems
         inductor = f"{times['inductor']:>10.1f}" if "inductor" in times else f"{'-':>10}"
-        print(f"{w.name:<24}{times['eager']:>10.1f}{inductor}{times['clika']:>10.1f}{times['clika'] / times['eager']:>13.2f}")
+        print(f"{w.name:<24}{times['eager']:>10.1f}{inductor}{times['clika']:>10.1f}{times['fp16']:>10.1f}"
+              f"{times['clika'] / times['eager']:>13.2f}{times['fp16'] / times['eager']:>12.2f}")
     print("\n".join(failures) or "all CUDA checks passed")
     return 1 if failures else 0
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import clika_runtime as cr
+from clika_runtime.triton.checker import check_repository
 from tests.conftest import Counted
 
 QUANTIZED_OPS = {"MatMulInteger", "DynamicQuantizeMatMul"}
@@ -137,6 +138,10 @@ def test_the_int8_graph_ships_loads_anywhere_and_validates_by_its_agreement(mlp_
     np.savez(tmp_path / "bad.npz", **{name: x.numpy()}, output=eager[::-1].copy())
     bad = run_cli("validate", str(path), "--reference", str(tmp_path / "bad.npz"))
     assert bad.returncode == 1 and "cosine" in bad.stdout
+    folder = f.graphs()[0].to_triton(tmp_path / "repository", "mlp_int8")  # Triton takes it as it is
+    assert check_repository(folder) == []
+    triton = run_cli("validate", str(folder), "--reference", str(tmp_path / "ref.npz"))
+    assert triton.returncode == 0, triton.stdout
 
 
 def test_a_graph_that_int8_breaks_is_not_served_in_int8_and_says_the_figure():
@@ -251,3 +256,22 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env_path = str(cwd) if cwd is not None else ""
     return subprocess.run([sys.executable, "-m", "clika_runtime", *args], capture_output=True, text=True, cwd=cwd,
                           env={**__import__("os").environ, "PYTHONPATH": env_path}, timeout=300)
+
+
+def test_the_fp16_conversion_keeps_the_callers_dtypes(tmp_path):
+    """fp16 serves on CUDA only (no GPU here): the conversion itself, run by onnxruntime's CPU
+    provider, which takes this small graph: float32 in and out, float16 weights, close to fp32."""
+    from serving.quantize import to_fp16
+
+    model = mlp()
+    f = cr.compile(model)
+    x = torch.randn(8, 64)
+    called(f, x)
+    source = f.take_graph().save(tmp_path / "fp32.onnx")
+    assert to_fp16(str(source), str(tmp_path / "fp16.onnx")) == 4
+    converted = onnx.load(str(tmp_path / "fp16.onnx"))
+    assert {t.data_type for t in converted.graph.initializer} == {onnx.TensorProto.FLOAT16}
+    assert [i.type.tensor_type.elem_type for i in converted.graph.input] == [onnx.TensorProto.FLOAT]
+    session = ort.InferenceSession(str(tmp_path / "fp16.onnx"), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    assert out.dtype == np.float32 and cosine(torch.from_numpy(out), model(x).detach()) >= 0.999
