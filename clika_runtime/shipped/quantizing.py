@@ -35,7 +35,7 @@ def quantized(model_proto: Any, agreement: Agreement, where: str, seed: int = 0)
         onnx.save_model(model_proto, str(source), save_as_external_data=too_big(model_proto),
                         location="model.onnx.data")
         if not quantize.quantize_int8(str(source), str(target)):
-            raise ValueError(f"{where}: the graph has no MatMul with a constant weight to quantize")
+            raise ValueError(f"{where}: the graph has no MatMul over a constant float32 weight to quantize")
         cpu = serving.resolve("cpu")
         reference, reduced = (serving.open_session(str(path), cpu) for path in (source, target))
         guard = metadata_and_guard(read_session(reference, where), where)[1]
