@@ -78,7 +78,7 @@ class CompiledFunction(Copies, Generic[P, R]):
         output_names: graph output names in flattening order (default: from the output pytree).
         graph_name: the ONNX graph's name (default: the target's name).
         precision: ``"fp32"`` (the default) serves what eager computes; ``"int8"`` (CPU) serves the
-            verified graph quantized with onnxruntime's dynamic int8, ``"fp16"`` (CUDA) in float16
+            verified graph in onnxruntime's dynamic int8 form, ``"fp16"`` (CUDA) in float16
             with the caller's dtypes at its edges. A reduced-precision graph serves only when its
             outputs agree with eager fp32 on the capturing call by ``agreement``; else the fp32
             graph serves, with a warning giving the measured figures (``capture_notes`` too).
