@@ -78,7 +78,7 @@ class Seq2Seq:
         self.encoder = self.model.get_encoder()
         self.eager, self.eager_encoder = self.model.forward, self.encoder.forward
         self.f = cr.compile(self.model.forward)
-        self.e = cr.compile(self.encoder.forward)
+        self.e = cr.compile(self.encoder.forward, dynamic=True)  # inputs of any length from the first capture
         self.model.forward, self.encoder.forward = self.f, self.e
         self.decoder_calls = self.encoder_calls = 0
         self.model.get_output_embeddings().register_forward_pre_hook(self._count_decoder)
@@ -161,10 +161,12 @@ def test_greedy_generate_is_eagers(seq2seq):
     _assert_same_generation(seq2seq.greedy["second"], seq2seq.greedy["second_eager"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 27: an EncoderDecoderCache serves eagerly until the adapter takes it")
+
 def test_greedy_generate_captures_encoder_first_step_and_past_once(seq2seq):
     greedy = seq2seq.greedy
     # The encoder, the first decoder step, the decoder with past: each target call is a capture.
+    # The first step with past has a past of 1: asked dynamic all the same (verified at 1 by the
+    # capture), it serves every later step.
     assert greedy["first_captures"] == 3 and greedy["first_calls"] == 3, (seq2seq.f.captures, seq2seq.e.captures)
     # Inputs of other lengths, more or fewer new tokens: served from the same graphs.
     assert greedy["second_captures"] == 0 and greedy["second_calls"] == 0
@@ -176,9 +178,141 @@ def test_beam_generate_is_eagers(seq2seq):
     _assert_same_generation(seq2seq.beams["second"], seq2seq.beams["second_eager"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 27: an EncoderDecoderCache serves eagerly until the adapter takes it")
+
 def test_beam_generate_captures_the_decoder_batch_once(seq2seq):
     beams = seq2seq.beams
-    # The encoder graph serves (batch 1); the two decoder steps re-capture for a batch of 2.
-    assert beams["first_captures"] <= 2 and beams["first_calls"] == beams["first_captures"]
+    # The encoder graph serves (batch 1); the two decoder steps re-capture for a batch of 2 with
+    # the batch dynamic, superseding the graphs of batch 1: still three graphs.
+    assert beams["first_calls"] == 2 and beams["first_captures"] == 0, seq2seq.f.recapture_reasons
+    assert len(seq2seq.f.captures) == 2 and len(seq2seq.e.captures) == 1
     assert beams["second_captures"] == 0 and beams["second_calls"] == 0
+
+
+def test_whisper_starts_with_its_forced_prompt(seq2seq):
+    if seq2seq.name != "whisper":
+        pytest.skip("Whisper's decoder prompt")
+    # start, language, task, no timestamps: the first decoder step takes the 4-token prompt
+    assert seq2seq.greedy["first"].sequences[0, :4].tolist() == [3, 10, 12, 14]
+    assert seq2seq.greedy["second"].sequences[0, :4].tolist() == [3, 11, 12, 14]
+
+
+# ---------------------------------------------------------------------- the forward called by hand
+
+
+def _assert_same_cache(cache, ref_cache):
+    assert type(cache) is type(ref_cache) is EncoderDecoderCache
+    assert cache.is_updated == ref_cache.is_updated
+    for part in ("self_attention_cache", "cross_attention_cache"):
+        mine, ref = getattr(cache, part), getattr(ref_cache, part)
+        assert type(mine) is type(ref) is DynamicCache and len(mine.layers) == len(ref.layers)
+        for layer, ref_layer in zip(mine.layers, ref.layers):
+            assert type(layer) is type(ref_layer) and layer.is_initialized
+            torch.testing.assert_close(layer.keys, ref_layer.keys)
+            torch.testing.assert_close(layer.values, ref_layer.values)
+
+
+@pytest.fixture(scope="module")
+def bart():
+    """BART with only its forward compiled: the first call runs the encoder inside it."""
+    torch.manual_seed(0)
+    model = _bart().eval()
+    return model, cr.compile(model.forward)
+
+
+def _loop(forward, length: int, steps: int, seed: int):
+    """A greedy loop as users write it: the first call runs the encoder and makes the cache, the
+    next ones pass the encoder's output and the cache back."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 100, (1, length), generator=generator)
+    mask = torch.ones_like(ids)
+    token = torch.full((1, 1), 2)
+    seen = []
+    with torch.inference_mode():
+        out = forward(input_ids=ids, attention_mask=mask, decoder_input_ids=token)
+        cache, encoded = out.past_key_values, (out.encoder_last_hidden_state,)
+        seen.append((out, cache))
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)
+            out = forward(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token, past_key_values=cache)
+            seen.append((out, cache))
+    return seen
+
+
+def test_a_hand_written_loop_runs_the_encoder_in_its_first_call(bart):
+    model, f = bart
+    calls = []
+    model.lm_head.register_forward_pre_hook(lambda m, a: calls.append(1) if not isinstance(a[0], FakeTensor) else None)
+    got = _loop(f, 7, 10, seed=4)
+    first = len(calls)
+    again = _loop(f, 5, 6, seed=5)
+    assert len(calls) == first  # other lengths: served
+    for seen, (length, steps, seed) in ((got, (7, 10, 4)), (again, (5, 6, 5))):
+        expected = _loop(model.__class__.forward.__get__(model), length, steps, seed)
+        for (out, cache), (ref, ref_cache) in zip(seen, expected):
+            torch.testing.assert_close(out.logits, ref.logits)
+            torch.testing.assert_close(out.encoder_last_hidden_state, ref.encoder_last_hidden_state)
+        assert all(out.past_key_values is seen[0][1] for out, _ in seen)  # the first call's cache, updated in place
+        _assert_same_cache(seen[-1][1], expected[-1][1])
+    # The first call (encoder inside, a new cache out) and the step with past: two graphs.
+    assert first == 2 and len(f.captures) == 2 and f.state is cr.CompiledFunction.State.Compiled
+
+
+def test_bart_decoder_input_ids_shifted_from_labels(bart):
+    model, f = bart
+    eager = model.__class__.forward.__get__(model)
+    with torch.inference_mode():
+        for length, target in ((7, 5), (9, 6), (6, 8)):
+            ids = torch.randint(3, 100, (1, length), generator=torch.Generator().manual_seed(length))
+            labels = torch.randint(3, 100, (1, target), generator=torch.Generator().manual_seed(target))
+            out = f(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+            ref = eager(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+            torch.testing.assert_close(out.loss, ref.loss)
+            torch.testing.assert_close(out.logits, ref.logits)
+            assert out.past_key_values is ref.past_key_values is None  # labels turn the cache off
+    # No cache out: an ordinary function, whose first drift makes the lengths dynamic.
+    assert f.captures[-1].hits == 1
+
+
+# ---------------------------------------------------------------------------- what is not served
+
+
+def test_a_static_cache_serves_eagerly_with_the_reason_and_others_are_served():
+    torch.manual_seed(0)
+    model = _t5().eval()
+    f = cr.compile(model.forward)
+    model.forward = f
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(6))
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    with torch.inference_mode():
+        with pytest.warns(UserWarning, match=r"a EncoderDecoderCache \(of StaticCache caches.*use_cache=False"):
+            got = model.generate(ids, cache_implementation="static", **options)
+        assert "StaticCache" in f.fallback_reason and not f.captures
+        served = model.generate(ids, **options)  # the default cache: captured and served
+        served_again = model.generate(ids[:, :4], attention_mask=options["attention_mask"][:, :4], max_new_tokens=8,
+                                      min_new_tokens=8, do_sample=False)
+        model.forward = model.__class__.forward.__get__(model)
+        expected = model.generate(ids, cache_implementation="static", **options)
+        expected_default = model.generate(ids, **options)
+    assert torch.equal(got, expected) and torch.equal(served, expected_default) and served_again.shape == (1, 9)
+    assert f.state is cr.CompiledFunction.State.Compiled and len(f.captures) == 2
+    assert sum(c.hits for c in f.captures) >= 14
+
+
+def test_a_sliding_window_layer_is_refused_naming_it():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    torch.manual_seed(0)
+    model = _bart().eval()
+    f = cr.compile(model.forward)
+    ids = torch.randint(3, 100, (1, 6))
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    cache.self_attention_cache.layers = [DynamicSlidingWindowLayer(sliding_window=4) for _ in range(2)]
+    ref_cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    ref_cache.self_attention_cache.layers = [DynamicSlidingWindowLayer(sliding_window=4) for _ in range(2)]
+    start = torch.full((1, 1), 2)
+    with torch.inference_mode():
+        with pytest.warns(UserWarning, match=r"self_attention_cache: a DynamicCache with DynamicSlidingWindowLayer"):
+            out = f(input_ids=ids, decoder_input_ids=start, past_key_values=cache)
+        ref = model(input_ids=ids, decoder_input_ids=start, past_key_values=ref_cache)
+    assert out.past_key_values is cache
+    torch.testing.assert_close(out.logits, ref.logits)
