@@ -14,6 +14,11 @@ the cross-attention cache is only read): three. Beams decode a batch of 2 from a
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
 import pytest
 import torch
 
@@ -194,6 +199,64 @@ def test_whisper_starts_with_its_forced_prompt(seq2seq):
     # start, language, task, no timestamps: the first decoder step takes the 4-token prompt
     assert seq2seq.greedy["first"].sequences[0, :4].tolist() == [3, 10, 12, 14]
     assert seq2seq.greedy["second"].sequences[0, :4].tolist() == [3, 11, 12, 14]
+
+
+# ------------------------------------------------------------------------------- shipped graphs
+
+
+def _eager_greedy(d: Seq2Seq, inputs: dict, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens from the eager forwards, step by step as a runtime would drive the graphs."""
+    with torch.inference_mode():
+        encoded = d.eager_encoder(**inputs)
+        mask = {"attention_mask": inputs["attention_mask"]} if "attention_mask" in inputs else {}
+        out = d.eager(encoder_outputs=encoded, decoder_input_ids=torch.tensor([prompt]), **mask)
+        tokens = []
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)
+            tokens.append(int(token))
+            out = d.eager(encoder_outputs=encoded, decoder_input_ids=token, past_key_values=out.past_key_values, **mask)
+    return tokens
+
+
+def test_shipped_graphs_drive_a_greedy_loop_in_plain_onnxruntime(seq2seq, tmp_path):
+    """The encoder, the decoder's first step and the decoder with past, saved and driven by their
+    names from onnxruntime alone (no torch, no clika_runtime)."""
+    (encoder,) = seq2seq.e.graphs()
+    first, past = sorted(seq2seq.f.graphs(), key=lambda g: "past_key_values.0.decoder.key" in g.input_names)
+    assert "past_key_values.0.decoder.key" not in first.input_names and "present.0.encoder.key" in first.output_names
+    for name, graph in (("encoder", encoder), ("first", first), ("past", past)):
+        graph.save(tmp_path / f"{name}.onnx")
+    inputs = seq2seq.inputs(6, seed=8)
+    prompt = [3, 10, 12, 14] if seq2seq.name == "whisper" else [seq2seq.model.config.decoder_start_token_id]
+    for name, value in inputs.items():
+        np.save(tmp_path / f"{name}.npy", value.numpy())
+    script = textwrap.dedent(f"""
+        import sys
+        for name in ("torch", "clika_runtime", "transformers"):
+            sys.modules[name] = None  # any import of these now fails
+        import numpy as np
+        import onnxruntime as ort
+        folder = {str(tmp_path)!r}
+        encoder, first, past = (ort.InferenceSession(f"{{folder}}/{{n}}.onnx") for n in ("encoder", "first", "past"))
+        inputs = {{i.name: np.load(f"{{folder}}/{{i.name}}.npy") for i in encoder.get_inputs()}}
+        (hidden,) = encoder.run(["last_hidden_state"], inputs)
+        feeds = {{"encoder_outputs_last_hidden_state": hidden, "decoder_input_ids": np.array([{prompt}])}}
+        if "attention_mask" in inputs:
+            feeds["attention_mask"] = inputs["attention_mask"]
+        session, tokens = first, []
+        for step in range({STEPS}):
+            names = [o.name for o in session.get_outputs()]
+            out = dict(zip(names, session.run(None, feeds)))
+            token = out["logits"][:, -1:].argmax(-1)
+            tokens.append(int(token[0, 0]))
+            feeds["decoder_input_ids"] = token
+            feeds.update({{n.replace("present", "past_key_values"): v for n, v in out.items() if n.startswith("present.")}})
+            session = past
+        print(*tokens)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert [int(t) for t in result.stdout.split()] == _eager_greedy(seq2seq, inputs, prompt, STEPS)
 
 
 # ---------------------------------------------------------------------- the forward called by hand
