@@ -355,25 +355,42 @@ def planned(plan: CapturePlan, eager_out: Any, options: Options) -> CapturePlan:
     if plan.variant or options.dynamic is False or not kvcache.adapting():
         return plan
     out_leaves, out_structure = trees.flatten(eager_out)
-    present = [out_leaves[i] for i in kvcache.cache_leaves(out_structure)]
+    present = kvcache.cache_leaves(out_structure)
     if not present:
         return plan
-    length = max(t.shape[kvcache.SEQUENCE_AXIS] for t in present)
+    lengths: dict[bool, int] = {}  # the output caches' lengths: the decoder's (False), the encoder's (True)
+    for i, slot in present.items():
+        cross = slot.part == kvcache.ENCODER
+        lengths[cross] = max(lengths.get(cross, 0), out_leaves[i].shape[kvcache.SEQUENCE_AXIS])
+    length, encoder_length = lengths.get(False), lengths.get(True)
     call = plan.call
     past = kvcache.cache_leaves(call.structure)
     name = kvcache.TOTAL_DIM if past else kvcache.SEQUENCE_DIM
-    dynamic = []
+    dynamic, asked = [], []
     for position, value, axes, declared in zip(call.positions, call.feeds, plan.dynamic, plan.declared):
         shape = getattr(value, "shape", None)
         wanted: dict[int, str] = {}
+        ask: dict[int, str | None] = {}
         if shape is None:
             pass
         elif position in past:
-            wanted[kvcache.SEQUENCE_AXIS] = kvcache.PAST_DIM
-        elif len(shape) == 1 and shape[0] == length:
-            wanted[0] = name
+            cross = past[position].part == kvcache.ENCODER
+            wanted[kvcache.SEQUENCE_AXIS] = kvcache.ENCODER_DIM if cross else kvcache.PAST_DIM
+            if not cross:
+                # A past of 1 (the first step after a one-token start: every encoder-decoder's
+                # generate) is asked dynamic as a declared axis would be: traced for [2, inf) and
+                # verified at 1 by the capture itself, instead of a static graph superseded at 2.
+                ask = {kvcache.SEQUENCE_AXIS: declared.get(kvcache.SEQUENCE_AXIS, kvcache.PAST_DIM)}
         else:
-            wanted.update({a: name for a in range(1, len(shape)) if shape[a] == length})
+            # The encoder's length (an encoder-decoder's cross-attention cache), then the decoder's:
+            # where the two are equal the decoder's name wins, and a later call where they differ
+            # re-captures with them apart (the guard holds the graph to what it was traced for).
+            for size, dim in ((encoder_length, kvcache.ENCODER_DIM), (length, name)):
+                if len(shape) == 1 and shape[0] == size:
+                    wanted[0] = dim
+                else:
+                    wanted.update({a: dim for a in range(1, len(shape)) if shape[a] == size})
         # Axes the user declared keep the user's names.
         dynamic.append({**axes, **{a: n for a, n in wanted.items() if a not in declared}})
-    return replace(plan, dynamic=tuple(dynamic))
+        asked.append({**declared, **ask})
+    return replace(plan, dynamic=tuple(dynamic), declared=tuple(asked))

@@ -12,19 +12,28 @@ the lifecycle has no cache special cases, only hooks that ask this module:
   settings) joins the call's structure, so an empty cache, a filled one and one of another
   layout are different keys. torch's pytree registry is not used nor needed: the tracer rebuilds
   the call from the fed leaves with ``unflatten``, so the export sees a fresh cache holding the
-  traced tensors and the user's cache is never touched by a trace.
+  traced tensors and the user's cache is never touched by a trace. An encoder-decoder's
+  ``EncoderDecoderCache`` (two ``DynamicCache``s: self-attention, cross-attention) flattens to one
+  ``(self key, self value, cross key, cross value)`` tuple per layer, with ``is_updated`` (which
+  layers' cross-attention caches are filled) in its context: the decoder's first step (both
+  empty) and its steps with past (both filled) are two keys, two graphs.
 - **Unflatten** builds a cache of the same class holding the tensors as they are (the class's
   constructor would concatenate them into copies): cheap enough for every served step.
 - **Names** (``renamed``): the leaves of a cache in the call are named ``past_key_values.{i}.key``
   / ``past_key_values.{i}.value`` and those in the output ``present.{i}.key`` / ``present.{i}.value``,
   as Optimum's ONNX exports and onnxruntime-genai (``genai_config.json``) name them, whatever the
-  keyword (``cache=`` or ``past_key_values=``) and the output field (``cache``) are called.
+  keyword (``cache=`` or ``past_key_values=``) and the output field (``cache``) are called; an
+  encoder-decoder cache's ``past_key_values.{i}.decoder.key`` / ``past_key_values.{i}.encoder.key``
+  (self- and cross-attention, as Optimum's seq2seq exports name them).
 - **Dynamic axes** (``planned``): a call whose output holds a cache is a decoder step. Its
   capture asks for the past length of every cache input (axis 2, named ``past_sequence_length``)
   and every other input axis whose size is the output cache's length dynamic (the prompt in a
   prefill, named ``sequence_length``; the attention mask in a decode step, named
   ``total_sequence_length``; axis 0 of a rank-2+ input, the batch, never): a prefill then serves
-  prompts of any length and the first decode step already serves every later one.
+  prompts of any length and the first decode step already serves every later one. A past of 1
+  is asked dynamic as a declared axis is (the capture verifies the graph at 1). The length of a
+  cross-attention cache, and every input axis as long as it (the encoder's output and mask),
+  is named ``encoder_sequence_length``.
 - **Write-back** (``writeback``): when eager returned the very cache object the call passed in
   (a decode step, or ``generate``'s prefill of the empty cache it made), serving a call writes the
   graph's present tensors into the caller's cache, as eager's update would, and returns that
@@ -33,14 +42,14 @@ the lifecycle has no cache special cases, only hooks that ask this module:
 - **Shipping** (``shipped``): a shipped graph's tree description holds a cache as a tuple of
   per-layer ``(key, value)`` pairs, so ``cr.load`` takes and returns that plain form (numpy in,
   numpy out) where no cache class is importable.
-- **Refusal.** Every other ``transformers`` ``Cache`` subclass (``StaticCache``,
-  ``EncoderDecoderCache``...), and a ``DynamicCache`` with other layer types (sliding-window
-  layers: Mistral's default) or offloading, flattens to a ``Refused`` leaf carrying why and the fix
+- **Refusal.** Every other ``transformers`` ``Cache`` subclass (``StaticCache``, quantized and
+  offloaded caches...), a ``DynamicCache`` with other layer types (sliding-window layers:
+  Mistral's default) or offloading, and an ``EncoderDecoderCache`` of anything else, flattens to a ``Refused`` leaf carrying why and the fix
   (``use_cache=False``): an input serves eagerly with that reason said once, an output refuses the
   capture with it.
 
 Another cache class is supported by writing a ``CacheAdapter`` for it and listing it in
-``_ADAPTERS``: nothing else in the library changes. Nothing here imports torch or transformers
+``_adapters_for``: nothing else in the library changes. Nothing here imports torch or transformers
 at module level; the classes are registered on the first miss after ``transformers`` is imported.
 """
 
@@ -50,7 +59,7 @@ import dataclasses
 import sys
 import threading
 from dataclasses import replace
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence
 
 import optree
 
@@ -63,7 +72,9 @@ PRESENT = "present"  # graph output names: present.{layer}.key / .value
 PAST_DIM = "past_sequence_length"  # the dim name of the past length of every cache input
 SEQUENCE_DIM = "sequence_length"  # a prefill's (no cache in the call) inputs as long as its output cache
 TOTAL_DIM = "total_sequence_length"  # a decode step's inputs as long as its output cache (the attention mask)
+ENCODER_DIM = "encoder_sequence_length"  # the cross-attention cache's length, and inputs as long as it
 KINDS = ("key", "value")
+DECODER, ENCODER = "decoder", "encoder"  # an encoder-decoder cache's self- and cross-attention parts
 SEQUENCE_AXIS = 2  # [batch, heads, sequence, head_dim]
 _FIX = "call the model with use_cache=False to serve it from a graph"
 
@@ -95,11 +106,29 @@ class CacheAdapter:
         holds, exactly as the eager update would have left it."""
         raise NotImplementedError
 
+    def slot(self, layer: int, index: int) -> Slot:
+        """What the ``index``-th tensor of a layer's child is."""
+        return Slot(layer, None, index)
+
+
+class Slot(NamedTuple):
+    """One tensor of a cache: its layer, its part (``DECODER`` / ``ENCODER`` in an encoder-decoder
+    cache, ``None`` in a decoder's) and 0 for the key, 1 for the value."""
+
+    layer: int
+    part: str | None
+    kind: int
+
+    def name(self, prefix: str) -> str:
+        """``past_key_values.0.key``; ``past_key_values.0.decoder.key`` in an encoder-decoder cache."""
+        middle = f".{self.part}" if self.part else ""
+        return f"{prefix}.{self.layer}{middle}.{KINDS[self.kind]}"
+
 
 def refuse(cache: Any, why: str) -> tuple[list[Any], Hashable, Sequence[Any]]:
     """The flattening of a cache that cannot be served: one ``Refused`` leaf saying why."""
     name = type(cache).__name__
-    return [Refused(f"a {name} ({why}) cannot go through a graph: {_FIX}")], ("refused", name), [name]
+    return [Refused(f"a {name} ({why}) cannot go through a graph: {_FIX}")], ("refused", name, why), [name]
 
 
 class DynamicCacheAdapter(CacheAdapter):
@@ -164,6 +193,60 @@ class DynamicCacheAdapter(CacheAdapter):
                 layers.append(new)
 
 
+class EncoderDecoderCacheAdapter(CacheAdapter):
+    """``transformers.EncoderDecoderCache`` of two ``DynamicCache``s (T5, BART, Whisper... by
+    default): ``self_attention_cache`` grows each decoder step, ``cross_attention_cache`` is filled
+    from the encoder output by the first step and only read after it; ``is_updated`` (layer ->
+    whether its cross-attention cache is filled) tells the attention which. A layer flattens to
+    ``(self key, self value, cross key, cross value)`` (HuggingFace's legacy per-layer tuple) or
+    ``()`` while both are empty; ``is_updated`` and both caches' layouts are the context, so a
+    first step (empty) and a step with past (filled) are different keys: two graphs."""
+
+    _PART_NAMES = ("self_attention_cache", "cross_attention_cache")
+    _STATE = frozenset({*_PART_NAMES, "is_updated"})
+    _PARTS = (DECODER, DECODER, ENCODER, ENCODER)
+
+    def __init__(self, cache_utils: Any, dynamic: DynamicCacheAdapter) -> None:
+        self.cls = cache_utils.EncoderDecoderCache
+        self.dynamic = dynamic
+
+    def flatten(self, cache: Any) -> tuple[list[Any], Hashable, Sequence[Any]]:
+        state = cache.__dict__
+        if state.keys() != self._STATE:
+            return refuse(cache, f"unknown state {sorted(state.keys() ^ self._STATE)}")
+        parts = [state[name] for name in self._PART_NAMES]
+        kinds = {type(part) for part in parts} - {self.dynamic.cls}
+        if kinds:
+            return refuse(cache, f"of {', '.join(sorted(k.__name__ for k in kinds))} caches; supported: DynamicCache parts")
+        (own, own_context, _), (cross, cross_context, _) = flat = [self.dynamic.flatten(part) for part in parts]
+        for field, (_, context, _) in zip(self._PART_NAMES, flat):
+            if context[0] == "refused":  # ("refused", class name, why)
+                return refuse(cache, f"its {field}: a {context[1]} with {context[2]}")
+        if len(own) != len(cross) or any(bool(a) != bool(b) for a, b in zip(own, cross)):
+            return refuse(cache, "layers whose self- and cross-attention caches are not filled together")
+        updated = state["is_updated"]
+        children = [(*a, *b) for a, b in zip(own, cross)]
+        return children, (own_context, cross_context, tuple(updated.items())), range(len(children))
+
+    def unflatten(self, context: Any, children: Sequence[Any]) -> Any:
+        own_context, cross_context, updated = context
+        cache = self.cls.__new__(self.cls)
+        cache.__dict__.update(
+            self_attention_cache=self.dynamic.unflatten(own_context, [layer[:2] for layer in children]),
+            cross_attention_cache=self.dynamic.unflatten(cross_context, [layer[2:] for layer in children]),
+            is_updated=dict(updated),
+        )
+        return cache
+
+    def adopt(self, target: Any, made: Any) -> None:
+        self.dynamic.adopt(target.self_attention_cache, made.self_attention_cache)
+        self.dynamic.adopt(target.cross_attention_cache, made.cross_attention_cache)
+        target.is_updated.update(made.is_updated)
+
+    def slot(self, layer: int, index: int) -> Slot:
+        return Slot(layer, self._PARTS[index], index % 2)
+
+
 # Adapters by the class they serve, made once ``transformers.cache_utils`` is imported.
 _ADAPTERS: dict[type, CacheAdapter] = {}
 _seen: set[type] = set()
@@ -172,7 +255,8 @@ _registering = threading.Lock()  # misses of different functions may register at
 
 def _adapters_for(cache_utils: Any) -> list[CacheAdapter]:
     """The supported cache classes of this ``transformers`` (add new adapters here)."""
-    return [DynamicCacheAdapter(cache_utils)]
+    dynamic = DynamicCacheAdapter(cache_utils)
+    return [dynamic, EncoderDecoderCacheAdapter(cache_utils, dynamic)]
 
 
 def adapting() -> bool:
@@ -193,7 +277,7 @@ def register() -> None:
     with _registering:
         if not _ADAPTERS:
             for adapter in _adapters_for(cache_utils):
-                trees.own(adapter.cls, adapter.flatten, adapter.unflatten)
+                trees.own(adapter.cls, adapter.flatten, _unless_refused(adapter.unflatten))
                 _seen.add(adapter.cls)
                 _ADAPTERS[adapter.cls] = adapter
         for cls in new:
@@ -217,6 +301,18 @@ def _refused_unflatten(context: Any, children: Sequence[Any]) -> Any:
     return children[0]  # never served: keying the Refused leaf raises first
 
 
+def _unless_refused(unflatten: Callable[[Any, Sequence[Any]], Any]) -> Callable[[Any, Sequence[Any]], Any]:
+    """An adapter's ``unflatten`` that gives back the ``Refused`` leaf of a cache it refused (a
+    call is rebuilt before it is keyed, to say why it serves eagerly)."""
+
+    def rebuild(context: Any, children: Sequence[Any]) -> Any:
+        if context[0] == "refused":
+            return children[0]
+        return unflatten(context, children)
+
+    return rebuild
+
+
 def _is_cache(value: Any) -> bool:
     return type(value) in _ADAPTERS
 
@@ -224,10 +320,10 @@ def _is_cache(value: Any) -> bool:
 # ---------------------------------------------------------------------------------------------- names
 
 
-def cache_leaves(structure: optree.PyTreeSpec) -> dict[int, tuple[int, int]]:
-    """Leaf index -> (layer, 0 key / 1 value) for every leaf a supported cache holds in a tree of
-    this structure. Read from the structure, never from the tree: by the time a capture reads it,
-    the eager call has updated the caches the call holds."""
+def cache_leaves(structure: optree.PyTreeSpec) -> dict[int, Slot]:
+    """Leaf index -> its ``Slot`` (layer, part, key or value) for every leaf a supported cache holds
+    in a tree of this structure. Read from the structure, never from the tree: by the time a
+    capture reads it, the eager call has updated the caches the call holds."""
     if not _ADAPTERS:
         return {}
     accessors = structure.accessors()
@@ -235,21 +331,19 @@ def cache_leaves(structure: optree.PyTreeSpec) -> dict[int, tuple[int, int]]:
     for i, accessor in enumerate(accessors):
         for depth, entry in enumerate(accessor):
             if entry.type in _ADAPTERS and depth + 1 < len(accessor):
-                found[i] = (int(entry.entry), int(accessor[depth + 1].entry))
+                found[i] = _ADAPTERS[entry.type].slot(int(entry.entry), int(accessor[depth + 1].entry))
                 break
     return found
 
 
 def renamed(structure: optree.PyTreeSpec, names: Sequence[str], prefix: str) -> list[str]:
     """``names`` (one per leaf of a tree of this structure, in flattening order) with the leaves of
-    caches named ``{prefix}.{layer}.key`` / ``.value`` (``PAST`` for a call, ``PRESENT`` for an output)."""
+    caches named ``{prefix}.{layer}.key`` / ``.value`` (``PAST`` for a call, ``PRESENT`` for an
+    output; ``{prefix}.{layer}.decoder.key`` / ``.encoder.key`` in an encoder-decoder cache)."""
     names = list(names)
-    for i, (layer, kind) in cache_leaves(structure).items():
-        names[i] = f"{prefix}.{layer}.{KINDS[kind]}"
+    for i, slot in cache_leaves(structure).items():
+        names[i] = slot.name(prefix)
     return names
-
-
-# --------------------------------------------------------------------------------------- dynamic axes
 
 
 # ------------------------------------------------------------------------------------------ write-back
