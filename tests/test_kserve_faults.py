@@ -130,15 +130,17 @@ def test_bodies_at_the_limit_are_served_and_one_byte_past_gets_413(server):
     assert _right(*server.post(case.body), case)
 
 
-def test_one_stalled_client_blocks_nobody(server):
+def test_one_stalled_client_and_many_idle_connections_block_nobody(server):
     case = server.cases[1]
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=20) for _ in range(200)]  # sent nothing
     stalled = server.raw(10, case.body)
     try:
         started = time.monotonic()
         assert _right(*server.post(case.body), case)
         assert time.monotonic() - started < BODY_TIMEOUT_S  # served while the stalled body is still awaited
     finally:
-        stalled.close()
+        for sock in [stalled, *idle]:
+            sock.close()
 
 
 def test_stalled_clients_in_every_slot_are_cut_with_408_and_the_others_served(server):
