@@ -46,7 +46,8 @@ def _endpoint(parts: list[str], model_name: str) -> str | None:
     return {(): "metadata", ("ready",): "model_ready", ("infer",): "infer", ("stats",): "stats"}.get(tuple(tail))
 
 
-async def read_body(headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int, timeout_s: float = BODY_TIMEOUT_S
+async def read_body(
+    headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int, timeout_s: float = BODY_TIMEOUT_S
 ) -> bytes:
     """The request body, refused (413) as soon as it is known to exceed ``limit`` bytes: from
     ``Content-Length`` before reading anything, else while streaming, so an oversized body is never
