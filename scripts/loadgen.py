@@ -1,15 +1,16 @@
-"""Load generator for the KServe v2 server: requests/s and p50/p99 latency, with and without batching.
+"""Load generator for the KServe v2 server: requests/s and p50/p95/p99 latency, with and without batching.
 
-    python scripts/loadgen.py [--workload cnn_b1|mlp_b1|wide_mlp | --graph model.onnx] [--concurrency 32] [--requests 2000]
-                              [--max-batch-sizes 1 8] [--batch-wait-ms 5]
-    python scripts/loadgen.py --url 127.0.0.1:8000 --model NAME [--concurrency 32] [--requests 2000]
+    python scripts/loadgen.py [--workload cnn_b1|mlp_b1|wide_mlp|bert_base | --graph model.onnx]
+                              [--concurrency 1 8 64] [--requests 2000] [--max-batch-sizes 1 8] [--batch-wait-ms 5]
+    python scripts/loadgen.py --url 127.0.0.1:8000 --model NAME [--concurrency 1 8 64] [--requests 2000]
 
 Without ``--url``: captures the workload's graph with a dynamic batch dim (or takes ``--graph``),
 starts a local Ray Serve on 127.0.0.1 and serves the graph once per ``--max-batch-sizes`` value
 (1 means no batching), driving each with the same load; the replica's batching decision is printed. With ``--url``: drives a running server as it is. Each request is
-one row (batch 1) of random data sent by tritonclient (binary tensors, its default), with
-``--concurrency`` requests in flight, after a warm-up of ``--concurrency`` requests. The client runs
-on the same machine as the server and takes its share of the cores. Figures go to docs/BENCHMARKS.md.
+one row (batch 1) of random data sent by tritonclient (binary tensors, its default), with each
+``--concurrency`` value's requests in flight in turn, after a warm-up of that many requests. The
+client runs on the same machine as the server and takes its share of the cores; each row ends with
+the machine's 1-minute load average, for machines shared with other work. Figures go to docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def main() -> None:
     args = _parser().parse_args()
     print(f"machine: {platform.machine()}, {_cores()} cores; python {platform.python_version()}; "
-          f"{args.requests} requests of batch 1, {args.concurrency} in flight")
+          f"{args.requests} requests of batch 1 per row")
     if args.url:
         print(_HEADER)
-        _report(args.url, args.model, args.model, args)
+        for concurrency in args.concurrency:
+            _report(args.url, args.model, args.model, concurrency, args.requests)
     else:
         _serve_and_drive(args)
 
 
-_HEADER = f"{'server':<28} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'graph runs':>11} {'rows/run':>9}"
+_HEADER = (f"{'server':<28} {'clients':>7} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
+           f"{'graph runs':>10} {'rows/run':>8} {'load':>5}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,11 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", help="host:port of a running server (default: start one per batch size)")
     parser.add_argument("--model", default="loadgen", help="model name on that server")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--workload", default="cnn_b1", choices=["mlp_b1", "cnn_b1", "wide_mlp"],
-                        help="what to capture and serve: a batch workload of scripts/workloads.py, or "
-                             "wide_mlp (1024-4096-1024, 8 M weights)")
+    source.add_argument("--workload", default="cnn_b1", choices=["mlp_b1", "cnn_b1", "wide_mlp", "bert_base"],
+                        help="what to capture and serve: a batch workload of scripts/workloads.py, "
+                             "wide_mlp (1024-4096-1024, 8 M weights) or bert_base (BERT-base's sizes, random "
+                             "weights, 110 M parameters; one request is one sequence of 32 tokens)")
     source.add_argument("--graph", help="a .onnx file to serve instead")
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64], help="requests in flight, one row each")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--max-batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
@@ -80,7 +84,8 @@ def _serve_and_drive(args: argparse.Namespace) -> None:
             if i == 0:
                 print(f"graph: {Path(path).name}; the replica says: {handle.describe.remote().result()}\n{_HEADER}")
             label = "no batching" if size == 1 else f"batch <= {size}, wait {args.batch_wait_ms:g} ms"
-            _report(f"127.0.0.1:{port}", args.model, label, args)
+            for concurrency in args.concurrency:
+                _report(f"127.0.0.1:{port}", args.model, label, concurrency, args.requests)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -97,6 +102,12 @@ def _capture(workload_name: str, folder: Path) -> Path:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).eval()
         make = lambda batch: (torch.randn(batch, 1024),)  # noqa: E731
+    elif workload_name == "bert_base":  # the batch dim dynamic, the sequence at 32 tokens
+        import transformers
+
+        torch.manual_seed(0)
+        model = transformers.BertModel(transformers.BertConfig()).eval()
+        make = lambda batch: (torch.randint(0, 30522, (batch, 32)),)  # noqa: E731
     else:
         (workload,) = build((workload_name,))
         model, make = workload.model, workload.inputs
@@ -107,20 +118,20 @@ def _capture(workload_name: str, folder: Path) -> Path:
     return f.take_graph().save(folder / f"{workload_name}.onnx")
 
 
-def _report(url: str, model: str, label: str, args: argparse.Namespace) -> None:
+def _report(url: str, model: str, label: str, concurrency: int, requests: int) -> None:
     with triton.InferenceServerClient(url) as client:
         inputs = _inputs(client.get_model_metadata(model))
-        _drive(url, model, inputs, args.concurrency, args.concurrency)  # warm-up
+        _drive(url, model, inputs, concurrency, concurrency)  # warm-up
         before = client.get_inference_statistics(model)["model_stats"][0]
         start = time.perf_counter()
-        latencies = _drive(url, model, inputs, args.requests, args.concurrency)
+        latencies = _drive(url, model, inputs, requests, concurrency)
         wall = time.perf_counter() - start
         after = client.get_inference_statistics(model)["model_stats"][0]
     runs = after["execution_count"] - before["execution_count"]
     rows = after["inference_count"] - before["inference_count"]
-    p50, p99 = np.percentile(latencies, [50, 99]) * 1000
-    print(f"{label:<28} {len(latencies) / wall:8.0f} {p50:8.1f} {p99:8.1f} {runs:11d} {rows / max(runs, 1):9.2f}",
-          flush=True)
+    p50, p95, p99 = np.percentile(latencies, [50, 95, 99]) * 1000
+    print(f"{label:<28} {concurrency:7d} {len(latencies) / wall:7.0f} {p50:8.1f} {p95:8.1f} {p99:8.1f} "
+          f"{runs:10d} {rows / max(runs, 1):8.2f} {os.getloadavg()[0]:5.1f}", flush=True)
 
 
 def _inputs(metadata: dict[str, Any]) -> list[triton.InferInput]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import numpy as np
 import onnx
@@ -197,6 +198,19 @@ def test_a_content_length_that_is_not_a_byte_count_is_refused(length):
     with pytest.raises(ProtocolError, match=r"Content-Length: expected a byte count, got ") as caught:
         asyncio.run(routes.read_body({"content-length": length}, _chunks(1, 10, []), 1000))
     assert caught.value.status == 400
+
+
+async def _stalling(sent: bytes):
+    yield sent
+    await asyncio.sleep(60)  # a client that stopped sending
+    yield b"never"
+
+
+def test_a_body_that_stalls_is_refused_with_408_at_the_timeout():
+    started = time.monotonic()
+    with pytest.raises(ProtocolError, match=r"^request body not received within 0.2 s \(5 of 600 bytes arrived\)$") as caught:
+        asyncio.run(routes.read_body({"content-length": "600"}, _stalling(b"x" * 5), 1000, timeout_s=0.2))
+    assert caught.value.status == 408 and time.monotonic() - started < 5
 
 
 def test_compressed_bodies_are_refused():

@@ -43,12 +43,14 @@ class KServeModel:
     """One replica serving one graph: the v2 endpoints, batching and statistics."""
 
     def __init__(
-        self, path: str, name: str, place: str, max_batch_size: int, batch_wait_ms: float, max_request_bytes: int
+        self, path: str, name: str, place: str, max_batch_size: int, batch_wait_ms: float, max_request_bytes: int,
+        body_timeout_s: float = routes.BODY_TIMEOUT_S,
     ) -> None:
         self._graph = load(path, place)
         self._model = protocol.Model.from_graph(name, self._graph.inputs, self._graph.outputs)
         self._plan = batching.plan(self._model, max_batch_size, batch_wait_ms, self._graph.guard.ranges)
         self._max_bytes = max_request_bytes
+        self._body_timeout_s = body_timeout_s
         self._stats = Statistics()
         # @serve.batch takes its sizes at class definition; these are the sizes this app was built with.
         self._stacked.set_max_batch_size(self._plan.max_rows)
@@ -83,7 +85,7 @@ class KServeModel:
         started = time.perf_counter_ns()
         rows = 0
         try:
-            body = await routes.read_body(request.headers, request.stream(), self._max_bytes)
+            body = await routes.read_body(request.headers, request.stream(), self._max_bytes, self._body_timeout_s)
             header_length = request.headers.get(protocol.HEADER_LENGTH)
             # Each element takes at least one byte on the wire: a tensor of more elements than the
             # body cap could only come from a shape that lies about its data.
@@ -164,13 +166,16 @@ def app(
     batch_wait_ms: float = 5.0,
     replicas: int = 1,
     max_request_mb: float = 64.0,
+    body_timeout_s: float = routes.BODY_TIMEOUT_S,
 ) -> Application:
     """A Ray Serve application serving the graph at ``path`` over the KServe v2 HTTP protocol.
 
     ``name`` (default: the file's stem) is the model name in URLs. Concurrent requests are stacked
     along the graph's batch dim up to ``max_batch_size`` rows, waiting at most ``batch_wait_ms``
     for a batch to fill. ``replicas`` copies each load the file on ``place``; on a cluster, the
-    path must exist on every node. Bodies over ``max_request_mb`` are refused before being read.
+    path must exist on every node. Bodies over ``max_request_mb`` are refused before being read, and
+    bodies not received within ``body_timeout_s`` are refused with 408 (a stalled client otherwise
+    holds one of the replica's request slots for as long as it keeps the connection).
     Run it with ``serve.run(app(...), route_prefix=...)`` or compose it into your own application.
     """
     path = Path(path).resolve()
@@ -181,6 +186,7 @@ def app(
     _require(batch_wait_ms >= 0, f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
     _require(replicas >= 1, f"replicas must be >= 1, got {replicas}")
     _require(max_request_mb > 0, f"max_request_mb must be > 0, got {max_request_mb}")
+    _require(body_timeout_s > 0, f"body_timeout_s must be > 0, got {body_timeout_s}")
     deployment = KServeModel.options(
         name=f"{name}_v2",
         num_replicas=replicas,
@@ -192,7 +198,9 @@ def app(
         graceful_shutdown_wait_loop_s=0.1,
         graceful_shutdown_timeout_s=_DRAIN_S,
     )
-    return deployment.bind(str(path), name, place, max_batch_size, batch_wait_ms, int(max_request_mb * _MIB))
+    return deployment.bind(
+        str(path), name, place, max_batch_size, batch_wait_ms, int(max_request_mb * _MIB), body_timeout_s
+    )
 
 
 def _model_name(path: str | os.PathLike, name: str | None = None) -> str:
