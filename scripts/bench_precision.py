@@ -1,6 +1,7 @@
 """Precision: reduced-precision serving against what a user would pick instead, one process per model.
 
     python scripts/bench_precision.py [--models bert_base roberta_base cnn] [--rounds 7] [--threads 2]
+                                      [--optimum DIR] [--save-models DIR]
 
 For each model (random weights from its default config): eager fp32, eager under bf16 autocast,
 torch's dynamic int8 (``quantize_dynamic`` of every ``nn.Linear``), and clika_runtime served at
@@ -9,6 +10,11 @@ fp32 and at int8 (``precision="int8"``), at (batch, sequence) (1, 128), (8, 128)
 once per round, in shuffled order), as a ratio to eager fp32 within the round; agreement is the
 cosine similarity of the first output with eager fp32's. Targets (issue 24): int8 served <=
 0.33x eager at every point of the transformers, fp32 served <= 1.0x.
+
+Optimum's int8 as a peer, in the same process: ``--save-models DIR`` writes the transformers with
+the weights measured here (``DIR/bert_base``...); ``scripts/optimum_int8.py`` (in a venv of its own)
+exports and quantizes each to ``DIR/<model>_optimum/model_quantized.onnx``; ``--optimum DIR``
+then times that file in onnxruntime beside the others.
 """
 
 from __future__ import annotations
@@ -79,7 +85,25 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.reshape(1, -1).double(), b.reshape(1, -1).double()).item()
 
 
-def variants(name: str, model: torch.nn.Module) -> dict[str, Callable[[dict], torch.Tensor]]:
+def optimum_session(path: Path, threads: int) -> Callable[[dict], torch.Tensor]:
+    """Optimum's quantized graph, run by onnxruntime with the same threads."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    wanted = [i.name for i in session.get_inputs()]
+
+    def run(inputs: dict) -> torch.Tensor:
+        feeds = {k: v.numpy() for k, v in inputs.items() if k in wanted}
+        feeds.update({k: torch.zeros_like(inputs["input_ids"]).numpy() for k in wanted if k not in feeds})  # token_type_ids
+        return torch.from_numpy(session.run(None, feeds)[0])
+
+    return run
+
+
+def variants(name: str, model: torch.nn.Module, optimum: Path | None, threads: int
+             ) -> dict[str, Callable[[dict], torch.Tensor]]:
     """Each way of running the model, as a function of the call's inputs."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notice
@@ -95,21 +119,29 @@ def variants(name: str, model: torch.nn.Module) -> dict[str, Callable[[dict], to
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return first(model(**inputs)).float()
 
-    return {
+    runs = {
         "eager": lambda inputs: first(model(**inputs)),
         "bf16_autocast": bf16,
         "torch_int8": lambda inputs: first(torch_int8(**inputs)),
         "clika_fp32": lambda inputs: first(served["fp32"](**inputs)),
         "clika_int8": lambda inputs: first(served["int8"](**inputs)),
     }
+    quantized = optimum / f"{name}_optimum" / "model_quantized.onnx" if optimum is not None else None
+    if quantized is not None and quantized.is_file():
+        runs["optimum_int8"] = optimum_session(quantized, threads)
+    return runs
 
 
-def bench(name: str, rounds: int) -> list[str]:
+def model_of(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = MODELS[name]().eval()
+    return MODELS[name]().eval()
+
+
+def bench(name: str, rounds: int, optimum: Path | None, threads: int) -> list[str]:
+    model = model_of(name)
     verdicts = []
     with torch.inference_mode():
-        runs = variants(name, model)
+        runs = variants(name, model, optimum, threads)
         shapes = ((1, 0), (16, 0)) if name == "cnn" else SHAPES
         print(f"\n{name}: ratio to eager fp32 (median of {rounds} interleaved rounds), cosine with eager fp32")
         for shape in shapes:
@@ -137,16 +169,23 @@ def main() -> int:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--optimum", type=Path, help="a folder of Optimum's int8 graphs (scripts/optimum_int8.py)")
+    parser.add_argument("--save-models", type=Path, help="write the transformers measured here, for optimum_int8.py")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the model this process measures
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cr.config.cache_dir = None  # every capture exports
+    if args.save_models:
+        for name in (m for m in args.models if m != "cnn"):
+            model_of(name).save_pretrained(args.save_models / name)
+        return 0
     if args.one:
-        print("\n".join(bench(args.one, args.rounds)))
+        print("\n".join(bench(args.one, args.rounds, args.optimum, args.threads)))
         return 0
     for name in args.models:  # one process per model: no model's memory or threads weigh on another's
+        extra = ["--optimum", str(args.optimum)] if args.optimum else []
         subprocess.run([sys.executable, __file__, "--one", name, "--rounds", str(args.rounds),
-                        "--threads", str(args.threads)], check=False)
+                        "--threads", str(args.threads), *extra], check=False)
     return 0
 
 
