@@ -17,7 +17,6 @@ import argparse
 import statistics
 import time
 import warnings
-from typing import Any
 
 import torch
 
