@@ -481,3 +481,36 @@ def test_sigterm_during_startup_exits_0_quickly_and_leaves_nothing(serve_process
     wait(process, mark)
     assert process.poll() is None, f"exited with {process.returncode} before the signal"
     _stop_and_check(process, mark, lambda: process.send_signal(signal.SIGTERM))
+
+
+@pytest.mark.parametrize("holder", ["a-ray-serve", "another-program"])
+def test_serve_on_a_port_in_use_exits_2_naming_it(server, client, shipped, holder):
+    """Ray Serve binds its port with SO_REUSEPORT: a second server on the port of a running one
+    started, shared the port, and took part of its requests (the kernel splits connections); on a
+    port another program holds, it failed after Ray's startup with a traceback and exit 1."""
+    _, path = shipped
+    held = socket.socket()
+    if holder == "a-ray-serve":
+        port = int(server.url.rsplit(":", 1)[1])
+    else:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+    mark = tempfile.mkdtemp(prefix="cr-serve-", dir="/tmp")
+    with held:
+        process = _start_serve(path, port, mark)
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            for p in [process, *_marked(mark)]:
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(p.pid).kill()
+            process.wait(timeout=30)
+            shutil.rmtree(mark, ignore_errors=True)
+    stderr = process.stderr.read().decode(errors="replace")
+    assert code is not None, "a second server on the port still ran after 60 s"
+    assert code == 2, f"exit code {code}: {stderr[-3000:]}"
+    assert f"127.0.0.1:{port} is in use" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert client.is_server_ready()  # the server that held the port goes on

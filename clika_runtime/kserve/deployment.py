@@ -10,8 +10,10 @@ replica keeps reading requests (and forming the next batch) meanwhile.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ _MIB = 2**20
 _DRAIN_S = 3.0  # how long a stopping replica lets the requests it is running finish
 _SHUTDOWN_S = _DRAIN_S + 2.0  # how long Serve has to stop its replicas and proxy before Ray is shut down anyway
 _REAP_S = 0.5  # how long what Ray started has to exit once Ray is shut down, then after a SIGTERM, before a SIGKILL
+_PORT_WAIT_S = 5.0  # how long a port in use may take to be freed (a server still stopping there) before we give up
 
 
 @serve.deployment
@@ -242,6 +245,8 @@ def run(
     with stopping.adopting_orphans() as before:
         try:
             stop.install()  # before Ray starts: a stop while it starts is a stop, not Ray's abort
+            if not joined:  # on a cluster, Serve's proxies listen on its nodes, not here
+                _wait_for_port(host, port, _PORT_WAIT_S)
             with stopping.ray_keeps_our_handlers():
                 ray.init(address=None if joined else "local")
             stop.install()  # again: the core worker's C handler, if Ray installed one anyway
@@ -263,6 +268,43 @@ def run(
                 _shut_down(name, joined, deployed, before)
             finally:
                 stop.restore()
+
+
+def _wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    """Return once ``host:port`` can be listened on; raise ``ServeError`` if it is still in use
+    after ``timeout_s`` (a server still stopping there frees it within seconds), or unusable.
+
+    Ray Serve's proxy binds its port with SO_REUSEPORT: a second server on the port of a running
+    one bound it too and silently took part of its requests. On a port another program holds,
+    the proxy failed only once Ray had started, with a traceback."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        error = _bind_error(host, port)
+        if error is None:
+            return
+        if error.errno != errno.EADDRINUSE:
+            raise ServeError(f"cannot listen on {host}:{port}: {error.strerror or error}")
+        if time.monotonic() >= deadline:
+            raise ServeError(f"{host}:{port} is in use: another server or program listens there "
+                             f"(waited {timeout_s:g} s for it to be freed); stop it or choose another --port")
+        time.sleep(0.2)
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why a socket cannot be bound to ``host:port`` (none: it can), as Serve's proxy binds it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        return OSError(errno.EADDRNOTAVAIL, f"{host!r} does not resolve: {e}")
+    with socket.socket(family, kind, proto) as probe:
+        if os.name == "posix":  # past connections in TIME_WAIT do not keep a port busy (they do not stop Serve)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            return e
+    return None
 
 
 def _shut_down(name: str, joined: bool, deployed: bool, before: set[Any]) -> None:
