@@ -25,7 +25,7 @@ _ROUNDS = 3  # reaping rounds: a process killed while it forked leaves a child t
 
 
 class Stop:
-    """SIGINT and SIGTERM as ``KeyboardInterrupt`` in the main thread, then ignored while stopping."""
+    """SIGINT and SIGTERM as ``Stopped`` (a ``KeyboardInterrupt``) in the main thread, then ignored while stopping."""
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -51,8 +51,17 @@ class Stop:
             signal.pause()
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM asked the server to stop; caught as a ``KeyboardInterrupt``.
+
+    A subclass, because CPython remembers a bare ``KeyboardInterrupt`` that ends code a C
+    extension runs (PyRun_String, as Cython modules do while Ray starts) and, under ``python -m``,
+    ends the process with SIGINT at exit even when it was caught (exit code -2): it checks the
+    exception's type by identity."""
+
+
 def _interrupt(signum: int, frame: Any) -> NoReturn:
-    raise KeyboardInterrupt
+    raise Stopped
 
 
 @contextlib.contextmanager
