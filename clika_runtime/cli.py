@@ -163,15 +163,24 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from clika_runtime.kserve.stopping import Stop  # no Ray: loads at once
+
+    stop = Stop()
+    stop.install()  # before Ray's imports, seconds long: a stop meanwhile ends the command cleanly
     try:
-        from clika_runtime.kserve import deployment
-    except ImportError as e:
-        raise ValueError(f"serve needs Ray Serve: pip install 'clika-runtime[serve]' ({e})") from e
-    deployment.run(
-        args.model, name=args.name, host=args.host, port=args.port, place=args.place,
-        max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, replicas=args.replicas,
-        max_request_mb=args.max_request_mb,
-    )
+        try:
+            from clika_runtime.kserve import deployment
+        except ImportError as e:
+            raise ValueError(f"serve needs Ray Serve: pip install 'clika-runtime[serve]' ({e})") from e
+        deployment.run(
+            args.model, name=args.name, host=args.host, port=args.port, place=args.place,
+            max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, replicas=args.replicas,
+            max_request_mb=args.max_request_mb,
+        )
+    except KeyboardInterrupt:
+        pass  # stopped before ``run`` started Ray (``run`` handles a stop from there on): nothing to stop
+    finally:
+        stop.restore()
     return 0
 
 

@@ -10,13 +10,13 @@ replica keeps reading requests (and forming the next batch) meanwhile.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
 import logging
 import os
-import signal
+import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any
 
 import numpy as np
 import ray
@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from clika_runtime.base.errors import GraphFileError, GraphInputError, ProtocolError, ServeError
-from clika_runtime.kserve import batching, protocol, routes
+from clika_runtime.kserve import batching, protocol, routes, stopping
 from clika_runtime.kserve.stats import Statistics
 from clika_runtime.shipped.served import load
 
@@ -36,6 +36,7 @@ _MIB = 2**20
 _DRAIN_S = 3.0  # how long a stopping replica lets the requests it is running finish
 _SHUTDOWN_S = _DRAIN_S + 2.0  # how long Serve has to stop its replicas and proxy before Ray is shut down anyway
 _REAP_S = 0.5  # how long what Ray started has to exit once Ray is shut down, then after a SIGTERM, before a SIGKILL
+_PORT_WAIT_S = 5.0  # how long a port in use may take to be freed (a server still stopping there) before we give up
 
 
 @serve.deployment
@@ -247,33 +248,74 @@ def run(
     )
     name = _model_name(path, name)
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    stop = _Stop()
-    stop.install()  # before Ray starts: a stop while it starts is a stop, not Ray's abort
+    stop = stopping.Stop()
     deployed = False
-    try:
-        with _ray_keeps_our_handlers():
-            ray.init(address=None if joined else "local")
-        stop.install()  # again: the core worker's C handler, if Ray installed one anyway
-        serve.start(http_options={"host": host, "port": port})
+    with stopping.adopting_orphans() as before:
         try:
-            deployed = True
-            handle = serve.run(application, name=name, route_prefix="/")
-        except RuntimeError as e:  # Ray's words for a replica that failed to start; its error is logged above
-            raise ServeError(f"model {name!r} did not start: {e} (the replica's error is in the log above)") from None
-        print(f"serving model {name!r} at http://{host}:{port}/v2/models/{name}: {handle.describe.remote().result()}",
-              flush=True)
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stop.ignore()  # a second Ctrl-C must not cut the shutdown short and leave processes behind
-        try:
-            _shut_down(name, joined, deployed)
+            stop.install()  # before Ray starts: a stop while it starts is a stop, not Ray's abort
+            if not joined:  # on a cluster, Serve's proxies listen on its nodes, not here
+                _wait_for_port(host, port, _PORT_WAIT_S)
+            with stopping.ray_keeps_our_handlers():
+                ray.init(address=None if joined else "local")
+            stop.install()  # again: the core worker's C handler, if Ray installed one anyway
+            serve.start(http_options={"host": host, "port": port})
+            try:
+                deployed = True
+                handle = serve.run(application, name=name, route_prefix="/")
+            except RuntimeError as e:  # Ray's words for a replica that failed to start; its error is logged above
+                raise ServeError(f"model {name!r} did not start: {e} "
+                                 "(the replica's error is in the log above)") from None
+            print(f"serving model {name!r} at http://{host}:{port}/v2/models/{name}: "
+                  f"{handle.describe.remote().result()}", flush=True)
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
         finally:
-            stop.restore()
+            stop.ignore()  # a second Ctrl-C must not cut the shutdown short and leave processes behind
+            try:
+                _shut_down(name, joined, deployed, before)
+            finally:
+                stop.restore()
 
 
-def _shut_down(name: str, joined: bool, deployed: bool) -> None:
+def _wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    """Return once ``host:port`` can be listened on; raise ``ServeError`` if it is still in use
+    after ``timeout_s`` (a server still stopping there frees it within seconds), or unusable.
+
+    Ray Serve's proxy binds its port with SO_REUSEPORT: a second server on the port of a running
+    one bound it too and silently took part of its requests. On a port another program holds,
+    the proxy failed only once Ray had started, with a traceback."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        error = _bind_error(host, port)
+        if error is None:
+            return
+        if error.errno != errno.EADDRINUSE:
+            raise ServeError(f"cannot listen on {host}:{port}: {error.strerror or error}")
+        if time.monotonic() >= deadline:
+            raise ServeError(f"{host}:{port} is in use: another server or program listens there "
+                             f"(waited {timeout_s:g} s for it to be freed); stop it or choose another --port")
+        time.sleep(0.2)
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why a socket cannot be bound to ``host:port`` (none: it can), as Serve's proxy binds it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        return OSError(errno.EADDRNOTAVAIL, f"{host!r} does not resolve: {e}")
+    with socket.socket(family, kind, proto) as probe:
+        if os.name == "posix":  # past connections in TIME_WAIT do not keep a port busy (they do not stop Serve)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            return e
+    return None
+
+
+def _shut_down(name: str, joined: bool, deployed: bool, before: set[Any]) -> None:
     """Remove the application; on a Ray of our own, stop Serve (bounded) and Ray with all its processes."""
     if ray.is_initialized():
         try:
@@ -284,44 +326,8 @@ def _shut_down(name: str, joined: bool, deployed: bool) -> None:
                 _stop_serve(_SHUTDOWN_S)
         except Exception as e:  # Serve half started or already gone: Ray's shutdown below still runs
             logger.warning("stopping Ray Serve: %s: %s", type(e).__name__, e)
-    started = _descendants()
     ray.shutdown()  # kills the processes this process started (none when it joined a cluster)
-    _reap(started, _REAP_S)
-
-
-def _descendants() -> list[Any]:
-    """This process's descendants (Ray's daemons, workers, the dashboard's forkserver), by psutil."""
-    try:
-        import psutil  # Ray ships it (ray/thirdparty_files) and puts it on the path
-    except ImportError:
-        return []
-    try:
-        return psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _reap(processes: list[Any], timeout_s: float) -> None:
-    """Give ``processes`` ``timeout_s`` to exit, then a SIGTERM and as long again, then a SIGKILL.
-
-    ``ray.shutdown`` kills the daemons it recorded; the dashboard's modules (children of its
-    multiprocessing forkserver) outlive it by 2-3 s, and a stop during startup orphans the
-    forkserver and its resource tracker for good."""
-    if not processes:
-        return
-    import psutil
-
-    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    for signal_name, method in (("SIGTERM", "terminate"), ("SIGKILL", "kill")):
-        for process in alive:
-            try:
-                logger.debug("%s to %s (pid %d), left by Ray", signal_name, process.name(), process.pid)
-                getattr(process, method)()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(alive, timeout=timeout_s)
-        if not alive:
-            return
+    stopping.reap(before, _REAP_S)  # and what they were starting, orphaned when a stop came mid-start
 
 
 def _stop_serve(timeout_s: float) -> None:
@@ -334,60 +340,3 @@ def _stop_serve(timeout_s: float) -> None:
         return
     client.shutdown(timeout_s=timeout_s)
     context._disconnect()
-
-
-class _Stop:
-    """SIGINT and SIGTERM as ``KeyboardInterrupt`` in the main thread, then ignored while stopping."""
-
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self._previous = {s: signal.getsignal(s) for s in self._SIGNALS}
-
-    def install(self) -> None:
-        for s in self._SIGNALS:
-            signal.signal(s, _interrupt)
-
-    def ignore(self) -> None:
-        for s in self._SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
-
-    def restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-
-    @staticmethod
-    def wait() -> None:
-        """Block until a signal interrupts."""
-        while True:
-            signal.pause()
-
-
-def _interrupt(signum: int, frame: Any) -> NoReturn:
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _ray_keeps_our_handlers() -> Iterator[None]:
-    """Keep Ray from replacing the SIGTERM handler while ``ray.init`` runs.
-
-    ``ray.init`` installs handlers of its own for SIGTERM (``sys.exit``, then one that drains the
-    node for up to 30 s and exits 1), and the driver's core worker installs a C handler that
-    aborts with a stack dump: a SIGTERM during startup then ended the server with -6 and left
-    Ray's agents running. Ours stays instead (the processes Ray started are killed by
-    ``ray.shutdown``, or by Ray's atexit hook when the stop comes mid-``ray.init``).
-    """
-    from ray._private import utils
-
-    setter = getattr(utils, "set_sigterm_handler", None)
-    had = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER" in os.environ
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-    if setter is not None:
-        utils.set_sigterm_handler = lambda handler: None
-    try:
-        yield
-    finally:
-        if setter is not None:
-            utils.set_sigterm_handler = setter
-        if not had:
-            os.environ.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)

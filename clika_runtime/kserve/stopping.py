@@ -1,0 +1,169 @@
+"""How ``clika-runtime serve`` stops at any moment: signals, and every process its Ray started gone.
+
+SIGINT and SIGTERM become a ``KeyboardInterrupt`` in the main thread, from before Ray starts. The
+processes the server's Ray started are found down its process tree. A stop while Ray starts kills
+daemons that are still starting children of their own (the dashboard's forkserver, the raylet's
+agents), and an orphan is re-parented to init, out of that tree, so the server makes itself their
+child subreaper first (Linux): orphans come to it instead. Not by their environment: the agents
+and the dashboard's modules rename themselves (setproctitle), which overwrites it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from typing import Any, Iterator, NoReturn
+
+logger = logging.getLogger("clika_runtime")
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
+_ROUNDS = 3  # reaping rounds: a process killed while it forked leaves a child the next round finds
+
+
+class Stop:
+    """SIGINT and SIGTERM as ``Stopped`` (a ``KeyboardInterrupt``) in the main thread, then ignored while stopping."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._previous = {s: signal.getsignal(s) for s in self._SIGNALS}
+
+    def install(self) -> None:
+        for s in self._SIGNALS:
+            signal.signal(s, _interrupt)
+
+    def ignore(self) -> None:
+        for s in self._SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+    @staticmethod
+    def wait() -> None:
+        """Block until a signal interrupts."""
+        while True:
+            signal.pause()
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM asked the server to stop; caught as a ``KeyboardInterrupt``.
+
+    A subclass, because CPython remembers a bare ``KeyboardInterrupt`` that ends code a C
+    extension runs (PyRun_String, as Cython modules do while Ray starts) and, under ``python -m``,
+    ends the process with SIGINT at exit even when it was caught (exit code -2): it checks the
+    exception's type by identity."""
+
+
+def _interrupt(signum: int, frame: Any) -> NoReturn:
+    raise Stopped
+
+
+@contextlib.contextmanager
+def ray_keeps_our_handlers() -> Iterator[None]:
+    """Keep Ray from replacing the SIGTERM handler while ``ray.init`` runs.
+
+    ``ray.init`` installs handlers of its own for SIGTERM (``sys.exit``, then one that drains the
+    node for up to 30 s and exits 1), and the driver's core worker installs a C handler that
+    aborts with a stack dump: a SIGTERM during startup then ended the server with -6 and left
+    Ray's agents running. Ours stays instead (the processes Ray started are ended by ``reap``).
+    """
+    from ray._private import utils
+
+    setter = getattr(utils, "set_sigterm_handler", None)
+    had = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER" in os.environ
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    if setter is not None:
+        utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        if setter is not None:
+            utils.set_sigterm_handler = setter
+        if not had:
+            os.environ.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+
+
+@contextlib.contextmanager
+def adopting_orphans() -> Iterator[set[Any]]:
+    """Make this process the child subreaper of all it starts meanwhile (Linux; elsewhere nothing),
+    and yield the descendants it had before, which ``reap`` leaves alone.
+
+    An orphaned descendant is then re-parented to this process instead of init: what a stop while
+    Ray starts orphans (the raylet's agents, the dashboard's forkserver) stays in this process's
+    tree, where ``reap`` finds it. Orphans that exit while the server runs wait as zombies until
+    ``reap`` collects them (psutil waits on a child with ``waitpid``)."""
+    before = set(_descendants())
+    was = _subreaper(True)
+    try:
+        yield before
+    finally:
+        if was is False:
+            _subreaper(False)
+
+
+def _subreaper(on: bool) -> bool | None:
+    """Set this process's child-subreaper flag (``prctl``); return what it was, or None where
+    the call is missing or fails (not Linux, a kernel before 3.4, a seccomp filter)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.restype = ctypes.c_int
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    was = ctypes.c_int(0)
+    if prctl(_PR_GET_CHILD_SUBREAPER, ctypes.addressof(was), 0, 0, 0) != 0:
+        return None
+    if prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        return None
+    return bool(was.value)
+
+
+def reap(before: set[Any], timeout_s: float) -> None:
+    """End this process's descendants but those in ``before``: ``timeout_s`` to exit on their own,
+    then a SIGTERM and as long again, then a SIGKILL; a few rounds, for the orphans of a process
+    killed while it started children (re-parented here under ``adopting_orphans``).
+
+    ``ray.shutdown`` kills the daemons it recorded; the dashboard's modules outlive it by 2-3 s,
+    and a stop during startup kills the daemons while they start their own children (the
+    dashboard's forkserver, the raylet's agents), which would otherwise live on for a minute."""
+    for _ in range(_ROUNDS):
+        processes = [p for p in _descendants() if p not in before]
+        if not processes:
+            return
+        _end(processes, timeout_s)
+
+
+def _descendants() -> list[Any]:
+    """This process's descendants, by psutil; none without it."""
+    try:
+        import psutil  # Ray ships it (ray/thirdparty_files) and puts it on the path
+    except ImportError:
+        return []
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _end(processes: list[Any], timeout_s: float) -> None:
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for signal_name, method in (("SIGTERM", "terminate"), ("SIGKILL", "kill")):
+        for process in alive:
+            try:
+                logger.debug("%s to %s (pid %d), left by Ray", signal_name, process.name(), process.pid)
+                getattr(process, method)()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=timeout_s)
+        if not alive:
+            return
