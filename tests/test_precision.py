@@ -308,3 +308,22 @@ def test_int8_attention_drops_the_softmax_nan_pass_and_still_zeroes_padded_rows(
         eager = model(input_ids=ids, attention_mask=mask).last_hidden_state
     assert not served.last_hidden_state.isnan().any()
     assert cosine(served.last_hidden_state, eager) >= 0.999
+
+
+def test_a_classifier_can_ask_that_every_predicted_class_stays_eagers():
+    """``Agreement(top1=1.0)``: cosine alone lets int8 flip the class of a row whose two best
+    logits are close; a classifier can ask for every row's argmax to stay eager's."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 2).eval()
+    x = torch.randn(256, 64)
+    with torch.no_grad():  # half the rows sit on the decision boundary: int8 noise flips some
+        x[::2] -= ((head(x[::2])[:, 0] - head(x[::2])[:, 1]) / (head.weight[0] - head.weight[1]).pow(2).sum())[:, None] \
+            * (head.weight[0] - head.weight[1])
+    loose = cr.compile(head, precision="int8")
+    _, said = called(loose, x)
+    assert not said and "top-1 0." in loose.captures[0].precision  # served: cosine holds, some classes flipped
+    strict = cr.compile(head, precision="int8", agreement=cr.Agreement(top1=1.0))
+    _, said = called(strict, x)
+    assert said and "top-1 agreement" in said[0] and "< 1.0" in said[0], said
+    y, _ = called(strict, x)
+    assert torch.equal(y.argmax(-1), head(x).argmax(-1))  # the fp32 graph serves

@@ -48,6 +48,9 @@ class Agreement:
         max_abs: if set, the largest absolute difference allowed.
         max_rel: if set, the largest absolute difference allowed relative to the reference's
             largest magnitude.
+        top1: if set, the least share of rows (along the last axis) whose largest entry sits
+            where the reference's does: ``1.0`` for a classifier whose every predicted class
+            must stay eager's (argmax-like uses of a float output).
     Integer and bool outputs must always match exactly; NaN and infinities must sit where the
     reference has them.
     """
@@ -55,6 +58,7 @@ class Agreement:
     cosine: float = 0.999
     max_abs: float | None = None
     max_rel: float | None = None
+    top1: float | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.cosine, (int, float)) and -1.0 <= self.cosine <= 1.0):
@@ -63,11 +67,14 @@ class Agreement:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"Agreement.{name}: expected None or a number >= 0, got {value!r}")
+        if self.top1 is not None and not (isinstance(self.top1, (int, float)) and 0 <= self.top1 <= 1):
+            raise ValueError(f"Agreement.top1: expected None or a share in [0, 1], got {self.top1!r}")
 
     def __str__(self) -> str:
         bounds = [f"cosine >= {self.cosine}"]
         bounds += [f"max abs <= {self.max_abs}"] if self.max_abs is not None else []
         bounds += [f"rel <= {self.max_rel}"] if self.max_rel is not None else []
+        bounds += [f"top-1 >= {self.top1}"] if self.top1 is not None else []
         return ", ".join(bounds)
 
     def problem(self, measured: "Measured") -> str | None:
@@ -83,6 +90,8 @@ class Agreement:
             short.append(f"max abs difference {measured.max_abs:.3g} > {self.max_abs}")
         if self.max_rel is not None and measured.max_rel > self.max_rel:
             short.append(f"relative difference {measured.max_rel:.3g} > {self.max_rel}")
+        if self.top1 is not None and measured.top1 < self.top1:
+            short.append(f"top-1 agreement {measured.top1:.4f} < {self.top1}")
         return f"output '{measured.name}': {', '.join(short)}" if short else None
 
     def to_json(self) -> dict[str, Any]:
@@ -90,15 +99,16 @@ class Agreement:
 
     @classmethod
     def from_json(cls, value: Any) -> "Agreement":
-        if not isinstance(value, Mapping) or set(value) - {"cosine", "max_abs", "max_rel"}:
-            raise ValueError(f"expected an object with cosine, max_abs, max_rel, got {value!r}")
+        if not isinstance(value, Mapping) or set(value) - {"cosine", "max_abs", "max_rel", "top1"}:
+            raise ValueError(f"expected an object with cosine, max_abs, max_rel, top1, got {str(value)[:80]}")
         return cls(**value)
 
 
 @dataclass(frozen=True)
 class Measured:
     """One output's agreement with its reference. ``exact`` is set for integer and bool outputs
-    (whether they match); ``misplaced``: NaN or infinities where the reference has none."""
+    (whether they match); ``misplaced``: NaN or infinities where the reference has none;
+    ``top1``: the share of rows whose largest entry sits where the reference's does."""
 
     name: str
     cosine: float = 1.0
@@ -106,11 +116,13 @@ class Measured:
     max_rel: float = 0.0
     exact: bool | None = None
     misplaced: bool = False
+    top1: float = 1.0
 
     def __str__(self) -> str:
         if self.exact is not None:
             return f"'{self.name}' {'exact' if self.exact else 'differs'}"
-        return f"'{self.name}' cosine {self.cosine:.5f}, max abs {self.max_abs:.3g}, rel {self.max_rel:.3g}"
+        return (f"'{self.name}' cosine {self.cosine:.5f}, max abs {self.max_abs:.3g}, rel {self.max_rel:.3g}"
+                + (f", top-1 {self.top1:.4f}" if self.top1 < 1.0 else ""))
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -123,6 +135,7 @@ def measure(name: str, reference: Any, got: Any) -> Measured:
         raise ValueError(f"output '{name}': shape {out.shape}, reference {ref.shape}")
     if not np.issubdtype(ref.dtype, np.floating) and not np.issubdtype(ref.dtype, np.complexfloating):
         return Measured(name, exact=bool(np.array_equal(ref, out)))
+    top1 = _top1(ref, out)
     ref, out = ref.astype(np.float64).reshape(-1), out.astype(np.float64).reshape(-1)
     finite = np.isfinite(ref)
     misplaced = not np.array_equal(finite, np.isfinite(out)) or not np.array_equal(ref[~finite], out[~finite], equal_nan=True)
@@ -131,7 +144,15 @@ def measure(name: str, reference: Any, got: Any) -> Measured:
         return Measured(name, misplaced=misplaced)
     difference = float(np.abs(out - ref).max())
     scale = float(np.abs(ref).max())
-    return Measured(name, _cosine(ref, out), difference, difference / scale if scale else difference, misplaced=misplaced)
+    return Measured(name, _cosine(ref, out), difference, difference / scale if scale else difference,
+                    misplaced=misplaced, top1=top1)
+
+
+def _top1(reference: np.ndarray, got: np.ndarray) -> float:
+    """The share of rows (along the last axis) whose largest entry is where the reference's is."""
+    if reference.ndim == 0 or reference.size == 0:
+        return 1.0
+    return float(np.mean(np.argmax(reference, axis=-1) == np.argmax(got, axis=-1)))
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -173,7 +194,7 @@ class Record:
         measured = []
         for entry in value["measured"]:
             if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or \
-                    set(entry) - {"name", "cosine", "max_abs", "max_rel", "exact", "misplaced"} or \
+                    set(entry) - {"name", "cosine", "max_abs", "max_rel", "exact", "misplaced", "top1"} or \
                     not all(isinstance(v, (int, float)) for k, v in entry.items() if k != "name"):
                 raise ValueError(f"precision: malformed measured output {str(entry)[:80]}")
             measured.append(Measured(**entry))
