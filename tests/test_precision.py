@@ -326,4 +326,4 @@ def test_a_classifier_can_ask_that_every_predicted_class_stays_eagers():
     _, said = called(strict, x)
     assert said and "top-1 agreement" in said[0] and "< 1.0" in said[0], said
     y, _ = called(strict, x)
-    assert torch.equal(y.argmax(-1), head(x).argmax(-1))  # the fp32 graph serves
+    assert torch.allclose(y, head(x), rtol=1e-4, atol=1e-5)  # the fp32 graph serves
