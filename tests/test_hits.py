@@ -49,6 +49,44 @@ def test_every_call_returns_fresh_outputs(affine):
     assert target.calls == calls
 
 
+def test_the_same_input_written_in_place_is_read_again(affine):
+    # The binding is not redone when the input's memory is the one already bound: its new values
+    # must still be what the run reads.
+    f, target = affine
+    calls = target.calls
+    x = torch.randn(4, 3)
+    f(x)
+    x.mul_(3)
+    torch.testing.assert_close(f(x), _affine(x))
+    assert target.calls == calls
+
+
+def test_an_input_whose_data_was_replaced_is_bound_again(affine):
+    # The same tensor object over new memory (``x.data = ...``): the binding must follow the memory.
+    f, target = affine
+    calls = target.calls
+    x = torch.randn(4, 3)
+    f(x)
+    x.data = torch.randn(4, 3)
+    torch.testing.assert_close(f(x), _affine(x))
+    y = torch.randn(4, 3)
+    torch.testing.assert_close(f(y), _affine(y))
+    torch.testing.assert_close(f(x), _affine(x))
+    assert target.calls == calls
+
+
+def test_outputs_are_not_the_bound_buffers(affine):
+    # Outputs are bound once to buffers the next run writes: a returned tensor must be a copy.
+    f, _ = affine
+    x = torch.randn(4, 3)
+    y = f(x)
+    kept = y.clone()
+    f(torch.randn(4, 3))
+    torch.testing.assert_close(y, kept)
+    y.fill_(7)  # the caller owns it: writing it changes nothing served
+    torch.testing.assert_close(f(x), _affine(x))
+
+
 @pytest.mark.parametrize(
     "make",
     [
