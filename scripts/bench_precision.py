@@ -74,7 +74,10 @@ def inputs_for(name: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
     if name == "cnn":
         return {"x": torch.randn(shape[0], 3, 64, 64)}
     ids = torch.randint(5, 1000, shape)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if name == "roberta_base":  # its own buffer of token types ends at 512 positions, which start at 2
+        inputs["token_type_ids"] = torch.zeros_like(ids)
+    return inputs
 
 
 def first(out: Any) -> torch.Tensor:

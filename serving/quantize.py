@@ -34,7 +34,7 @@ _TWO_GB = 2**31
 _INT8_MAX = 127  # symmetric: -127..127, so a weight and its negation quantize alike
 
 
-def quantize_int8(source: str, target: str) -> int:
+def quantize_int8(source: str, target: str, per_channel: bool = True) -> int:
     """Write ``source``'s graph with its MatMuls in dynamic int8 to ``target``: those over a
     constant weight, and those of two float32 activations (attention's), both sides quantized
     per call. Returns how many were quantized (0: nothing to quantize, ``target`` not written)."""
@@ -64,7 +64,7 @@ def quantize_int8(source: str, target: str) -> int:
             nodes.append(node)
             continue
         if weight.name not in quantized:
-            quantized[weight.name] = _quantized_weight(graph, weight)
+            quantized[weight.name] = _quantized_weight(graph, weight, per_channel)
         if node.input[0] not in activations:
             activations[node.input[0]] = _quantized_activation(nodes, node.input[0])
         nodes += _integer_matmul(node, activations[node.input[0]], quantized[weight.name])
@@ -141,12 +141,12 @@ def _zeroed_after_product(probabilities: str, readers: dict[str, list[Any]], zer
         and zeroing[0].input[2] in zeros
 
 
-def _quantized_weight(graph: Any, weight: Any) -> tuple[str, str, str]:
-    """The int8 weight, its per-column scale and zero point, added to ``graph``'s initializers."""
+def _quantized_weight(graph: Any, weight: Any, per_channel: bool) -> tuple[str, str, str]:
+    """The int8 weight, its scale and zero point (per column, or one), added to ``graph``'s initializers."""
     from onnx import numpy_helper
 
     values = numpy_helper.to_array(weight).astype(np.float32)
-    scale = np.abs(values).max(axis=0) / _INT8_MAX
+    scale = np.abs(values).max(axis=0 if per_channel else None) / _INT8_MAX
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)  # an all-zero column: any scale
     codes = np.clip(np.rint(values / scale), -_INT8_MAX, _INT8_MAX).astype(np.int8)
     names = (f"{weight.name}_int8", f"{weight.name}_scale", f"{weight.name}_zero_point")
