@@ -98,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--place", default="cpu", help="where replicas run the graph: cpu, cuda, cuda:1, a provider name")
     p.add_argument("--max-request-mb", type=float, default=64.0, help="larger request bodies are refused unread")
+    p.add_argument("--request-timeout-s", type=float, default=60.0,
+                   help="a request not answered within this many seconds gets 408 (a replica that cannot restart "
+                        "would otherwise hold it forever); 0 waits without limit")
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("cache", help="show or clear the on-disk capture cache (config.cache_dir)")
@@ -175,7 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
         deployment.run(
             args.model, name=args.name, host=args.host, port=args.port, place=args.place,
             max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, replicas=args.replicas,
-            max_request_mb=args.max_request_mb,
+            max_request_mb=args.max_request_mb, request_timeout_s=args.request_timeout_s or None,
         )
     except KeyboardInterrupt:
         pass  # stopped before ``run`` started Ray (``run`` handles a stop from there on): nothing to stop

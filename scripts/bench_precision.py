@@ -47,7 +47,7 @@ def bert_base() -> torch.nn.Module:
 def roberta_base() -> torch.nn.Module:
     from transformers import RobertaConfig, RobertaModel
 
-    return RobertaModel(RobertaConfig())
+    return RobertaModel(RobertaConfig(max_position_embeddings=514))  # roberta-base's: positions start at 2
 
 
 class SmallCNN(torch.nn.Module):

@@ -290,6 +290,49 @@ def test_the_serve_command_serves_until_interrupted(shipped):
     assert not _wait_gone(children), "Ray processes outlived clika-runtime serve"
 
 
+@pytest.mark.slow
+def test_a_replica_that_cannot_restart_answers_408_at_the_request_timeout(shipped, tmp_path):
+    """Found under faults (issue 26): a replica killed after its graph file went cannot restart,
+    and Serve held every request sent to it until the client gave up (forever, without one)."""
+    _, path = shipped
+    graph = tmp_path / "doomed.onnx"
+    graph.write_bytes(Path(path).read_bytes())
+    port = _free_port()
+    command = [sys.executable, "-m", "clika_runtime", "serve", str(graph), "--name", "doomed", "--port", str(port),
+               "--max-batch-size", "1", "--request-timeout-s", "5"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        _wait_for_line(process, "serving model", timeout=180)
+        graph.unlink()
+        replicas = [p for p in psutil.Process(process.pid).children(recursive=True)
+                    if any("ServeReplica:doomed" in part for part in _cmdline(p))]
+        assert replicas, "no replica process found"
+        for replica in replicas:
+            replica.kill()
+        started = time.monotonic()
+        connection = http.client.HTTPConnection(f"127.0.0.1:{port}", timeout=60)
+        try:
+            connection.request("POST", "/v2/models/doomed/infer", body=json_body([x_entry(1), ids_entry(1)]))
+            status = connection.getresponse().status
+        finally:
+            connection.close()
+        took = time.monotonic() - started
+        assert status != 200 and took < 30, (status, took)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _wait_for_line(process: subprocess.Popen, prefix: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

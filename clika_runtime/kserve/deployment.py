@@ -234,14 +234,21 @@ def run(
     batch_wait_ms: float = 5.0,
     replicas: int = 1,
     max_request_mb: float = 64.0,
+    request_timeout_s: float | None = 60.0,
 ) -> None:
     """Serve the graph at ``path`` on ``http://host:port`` until SIGINT or SIGTERM (``clika-runtime serve``).
+
+    A request not answered within ``request_timeout_s`` gets 408 from Serve's proxy (``None``: no
+    limit): a replica that dies and cannot restart (its graph file gone) would otherwise hold
+    every request sent to it until the client gives up.
 
     Joins the Ray cluster named by ``RAY_ADDRESS``; without it, starts a local Ray of its own (never
     one that someone else started on this machine). A stop at any moment, starting included, removes
     the application and shuts down Serve and Ray when it started them, within a few seconds, leaving
     no process behind; the function then returns normally.
     """
+    _require(request_timeout_s is None or request_timeout_s > 0,
+             f"request_timeout_s must be > 0 (or None: no limit), got {request_timeout_s}")
     application = app(
         path, name=name, place=place, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
         replicas=replicas, max_request_mb=max_request_mb,
@@ -258,7 +265,10 @@ def run(
             with stopping.ray_keeps_our_handlers():
                 ray.init(address=None if joined else "local")
             stop.install()  # again: the core worker's C handler, if Ray installed one anyway
-            serve.start(http_options={"host": host, "port": port})
+            options = {"host": host, "port": port}
+            if request_timeout_s:
+                options["request_timeout_s"] = request_timeout_s
+            serve.start(http_options=options)
             try:
                 deployed = True
                 handle = serve.run(application, name=name, route_prefix="/")
