@@ -60,6 +60,31 @@ def _parser() -> argparse.ArgumentParser:
                    "another way)")
     p.set_defaults(run=_validate)
 
+    _export_parser(sub)
+
+    p = sub.add_parser("triton", help="write a graph as a Triton model (config.pbtxt + version folder)")
+    p.add_argument("model", help="the .onnx file")
+    p.add_argument("--repository", required=True, help="the model repository folder")
+    p.add_argument("--name", help="model name (default: from the graph name)")
+    p.add_argument("--version", type=int, default=1)
+    p.add_argument("--max-batch-size", type=int, default=0, help="> 0 lets Triton batch along dim 0")
+    p.add_argument("--dynamic-batching", action="store_true", help="Triton's dynamic batcher (needs --max-batch-size)")
+    p.add_argument("--instances", type=int, default=1, help="model instances")
+    p.add_argument("--gpu", action="store_true", help="instances on GPUs (KIND_GPU) instead of CPUs")
+    p.add_argument("--no-digest", action="store_true", help="read the graph without checking its content digest")
+    p.set_defaults(run=_triton)
+
+    _serve_parser(sub)
+
+    p = sub.add_parser("cache", help="show or clear the on-disk capture cache (config.cache_dir)")
+    p.add_argument("action", choices=("info", "list", "clear"), nargs="?", default="info")
+    p.add_argument("--dir", help="the cache directory (default: as config.cache_dir resolves it)")
+    p.set_defaults(run=_cache)
+    return parser
+
+
+def _export_parser(sub: Any) -> None:
+    """``export``'s arguments."""
     p = sub.add_parser("export", help="capture a callable once and save its graph")
     p.add_argument("factory", help="package.module:function returning the callable (e.g. a model)")
     source = p.add_mutually_exclusive_group(required=True)
@@ -76,18 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--place", default=None, help="where the graph is captured and checked (default: cpu)")
     p.set_defaults(run=_export)
 
-    p = sub.add_parser("triton", help="write a graph as a Triton model (config.pbtxt + version folder)")
-    p.add_argument("model", help="the .onnx file")
-    p.add_argument("--repository", required=True, help="the model repository folder")
-    p.add_argument("--name", help="model name (default: from the graph name)")
-    p.add_argument("--version", type=int, default=1)
-    p.add_argument("--max-batch-size", type=int, default=0, help="> 0 lets Triton batch along dim 0")
-    p.add_argument("--dynamic-batching", action="store_true", help="Triton's dynamic batcher (needs --max-batch-size)")
-    p.add_argument("--instances", type=int, default=1, help="model instances")
-    p.add_argument("--gpu", action="store_true", help="instances on GPUs (KIND_GPU) instead of CPUs")
-    p.add_argument("--no-digest", action="store_true", help="read the graph without checking its content digest")
-    p.set_defaults(run=_triton)
 
+def _serve_parser(sub: Any) -> None:
+    """``serve``'s arguments."""
     p = sub.add_parser("serve", help="serve a graph over the KServe v2 HTTP protocol on Ray Serve, with dynamic batching")
     p.add_argument("model")
     p.add_argument("--name", help="model name in URLs (default: the file's stem)")
@@ -102,12 +118,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="a request not answered within this many seconds gets 408 (a replica that cannot restart "
                         "would otherwise hold it forever); 0 waits without limit")
     p.set_defaults(run=_serve)
-
-    p = sub.add_parser("cache", help="show or clear the on-disk capture cache (config.cache_dir)")
-    p.add_argument("action", choices=("info", "list", "clear"), nargs="?", default="info")
-    p.add_argument("--dir", help="the cache directory (default: as config.cache_dir resolves it)")
-    p.set_defaults(run=_cache)
-    return parser
 
 
 def _inspect(args: argparse.Namespace) -> int:

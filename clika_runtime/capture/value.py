@@ -63,9 +63,9 @@ class Capture:
 
     def graph(self) -> graph_mod.ModelGraph:
         """The capture's graph to hand out: a copy, carrying the guard as it stands now (with
-        the sizes 0/1 verified since the capture). At reduced precision, the graph that serves
-        (made from the fused graph where fusions applied: it loads in any onnxruntime) with its
-        measured agreement; else the portable graph."""
+        the sizes 0/1 verified since the capture). At reduced precision, the graph that serves,
+        with its measured agreement (int8: standard ONNX ops; fp16: onnxruntime's fused kernels
+        where they applied); else the portable graph."""
         path = self.folder.model if self.precision is None else self.folder.reduced
         graph = graph_mod.ModelGraph.load(path, verify_digest=False)  # our own file: no digest
         entries: dict[str, Any] = {metadata.META_GUARD: guards.to_json(self.guard)}

@@ -259,16 +259,8 @@ def run(
     deployed = False
     with stopping.adopting_orphans() as before:
         try:
-            stop.install()  # before Ray starts: a stop while it starts is a stop, not Ray's abort
-            if not joined:  # on a cluster, Serve's proxies listen on its nodes, not here
-                _wait_for_port(host, port, _PORT_WAIT_S)
-            with stopping.ray_keeps_our_handlers():
-                ray.init(address=None if joined else "local")
-            stop.install()  # again: the core worker's C handler, if Ray installed one anyway
-            options = {"host": host, "port": port}
-            if request_timeout_s:
-                options["request_timeout_s"] = request_timeout_s
-            serve.start(http_options=options)
+            _start(stop, joined, {"host": host, "port": port, **({"request_timeout_s": request_timeout_s}
+                                                                 if request_timeout_s else {})})
             try:
                 deployed = True
                 handle = serve.run(application, name=name, route_prefix="/")
@@ -286,6 +278,18 @@ def run(
                 _shut_down(name, joined, deployed, before)
             finally:
                 stop.restore()
+
+
+def _start(stop: stopping.Stop, joined: bool, http: dict[str, Any]) -> None:
+    """Ray (a local one of our own, or the cluster joined) and Serve's HTTP proxy, with our stop
+    handler in place throughout."""
+    stop.install()  # before Ray starts: a stop while it starts is a stop, not Ray's abort
+    if not joined:  # on a cluster, Serve's proxies listen on its nodes, not here
+        _wait_for_port(http["host"], http["port"], _PORT_WAIT_S)
+    with stopping.ray_keeps_our_handlers():
+        ray.init(address=None if joined else "local")
+    stop.install()  # again: the core worker's C handler, if Ray installed one anyway
+    serve.start(http_options=http)
 
 
 def _wait_for_port(host: str, port: int, timeout_s: float) -> None:

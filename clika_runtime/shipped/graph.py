@@ -188,7 +188,7 @@ EXTERNAL_ABOVE = 16 * 2**20
 class GraphFolder:
     """A model written to its own temporary folder (``model.onnx``, and ``model.onnx.data`` when
     its weights are large; ``served.onnx`` beside it when onnxruntime's fused kernels apply;
-    ``reduced.onnx`` when the graph serves at reduced precision: made from the fused graph),
+    ``reduced.onnx`` when the graph serves at reduced precision: capture/reducing.py),
     removed when the last reference to the folder goes. Captures keep their graphs here instead
     of in memory; sessions open the files."""
 
