@@ -17,7 +17,7 @@ import torch
 from torch.export import Dim
 
 from exporters import conditions as conds
-from exporters import fusion, graph_edits, translations
+from exporters import fusion, graph_edits, nan_guard, translations
 from exporters.dtypes import onnx_dtype
 from exporters.quiet import quiet
 
@@ -170,6 +170,7 @@ def export_graph(
     output_dims: Mapping[str, Mapping[int, str | None]] | None = None,
     optimize: bool = True,
     owner: torch.nn.Module | None = None,
+    guard_nan: bool = True,
 ) -> ExportedGraph:
     """Export ``fn(*examples) -> flat output leaves`` to ONNX with torch.export.
 
@@ -187,6 +188,8 @@ def export_graph(
             output's dims are dynamic exactly when the graph computes them from dynamic inputs.
         optimize: run the exporter's portable optimisations (constant folding, dead code).
         owner: the module whose weights the graph carries, if any.
+        guard_nan: serve max pools bare unless a NaN reaches them (``nan_guard``): for CPU graphs;
+            on CUDA the guard's ``If`` would copy its condition to the host on every run.
 
     Raises:
         RuntimeError: the exporter failed; the message holds its root cause.
@@ -198,7 +201,7 @@ def export_graph(
     graph_leaves = flat.plan()["graph_leaves"]
     model, renames = _edited(program, input_names, [output_names[i] for i in graph_leaves],
                              [_leaf_dtype(output_dtypes[i]) for i in graph_leaves], dynamic, output_dims or {},
-                             graph_name, examples, number_symbols)
+                             graph_name, examples, number_symbols, guard_nan)
     input_dims = graph_edits.input_dims(model)
     trees, opaque, reads = _conditions(program.exported_program, input_dims, examples, numbers["specialized"])
     return ExportedGraph(
@@ -320,7 +323,7 @@ def _refuse_state_writes(program: Any, owner: torch.nn.Module | None) -> None:
 def _edited(
     program: Any, input_names: Sequence[str], output_names: Sequence[str], output_dtypes: Sequence[ir.DataType],
     dynamic: Sequence[Mapping[int, str | None]], output_dims: Mapping[str, Mapping[int, str | None]],
-    graph_name: str, examples: Sequence[Any], number_symbols: Mapping[str, str],
+    graph_name: str, examples: Sequence[Any], number_symbols: Mapping[str, str], guard_nan: bool,
 ) -> tuple[ir.Model, dict[str, str]]:
     """The exported model with our names, eager's output dtypes and static dims where the
     exporter pinned them; also the symbol -> dim name renames applied."""
@@ -331,6 +334,8 @@ def _edited(
     graph_edits.pin_derived_inputs(model, examples)
     declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
     renames = graph_edits.name_dims(model, declared, output_dims, number_symbols)
+    if guard_nan:
+        nan_guard.guard_nan_pools(model.graph)  # last: the exact branch is the graph as named above
     model.graph.name = graph_name
     return model, renames
 

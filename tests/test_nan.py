@@ -71,3 +71,44 @@ def test_every_max_pooling_window_holding_a_nan_is_nan(pool, shape):
     assert f.state is cr.CompiledFunction.State.Compiled
     torch.testing.assert_close(got, pool(x), equal_nan=True)
     assert got.isnan().any()
+
+
+class Infinities(torch.nn.Module):
+    """A convolution that adds +inf and -inf (NaN, in torch as in onnxruntime), then max pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 2, bias=False)
+        torch.nn.init.constant_(self.conv.weight, 0.5)
+        self.pool = torch.nn.MaxPool2d(2)
+
+    def forward(self, x):
+        return self.pool(torch.relu(self.conv(x)))
+
+
+def test_a_nan_made_inside_the_graph_is_pooled_as_in_torch():
+    """The served graph pools with a bare MaxPool unless a pool's own input holds a NaN: the
+    input here has none, the convolution makes one, and the window holding it is NaN as in torch."""
+    model = Infinities().eval()
+    f = cr.compile(model)
+    with torch.no_grad():
+        f(torch.randn(1, 1, 9, 9))
+        x = torch.randn(1, 1, 9, 9)
+        x[0, 0, 2, 2], x[0, 0, 2, 3] = float("inf"), float("-inf")
+        assert not x.isnan().any()
+        got, expected = f(x), model(x)
+    assert f.captures[0].hits == 1  # the second call, served
+    assert expected.isnan().any()
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+def test_pools_run_bare_unless_a_nan_reaches_them(served):
+    """The speed half of the guard: the graph's pools are MaxPool alone, the NaN windows in the
+    branch that runs only for a pool input holding a NaN (``exporters/nan_guard.py``)."""
+    _, f = served
+    graph = f.take_graph().model_proto.graph
+    ops = [node.op_type for node in graph.node]
+    assert "MaxPool" in ops and "AveragePool" not in ops and "Where" not in ops[:ops.index("MaxPool") + 2]
+    (guard,) = [node for node in graph.node if node.op_type == "If"]
+    exact = next(a.g for a in guard.attribute if a.name == "then_branch")
+    assert "AveragePool" in [node.op_type for node in exact.node]

@@ -85,7 +85,8 @@ def _build(
     trace = _tracer(plan, target, forms)
     started = time.perf_counter()
     with exporting():  # also while looking up the baked tensors: no other export swaps them for fakes
-        exported = _export(plan, trace, names, eager_leaves, graph_name, output_axes, optimize, owner)
+        exported = _export(plan, trace, names, eager_leaves, graph_name, output_axes, optimize, owner,
+                           guard_nan=place.device == "cpu")
         baked = tuple(bake(exported.state, exported.constants_read, owner, target))
     phases["export"] = time.perf_counter() - started
     guard = _guard(plan, exported, list(call.feeds), place)
@@ -153,7 +154,7 @@ def output_names_of(eager_out: Any, eager_leaves: list[Any], given: Sequence[str
 
 def _export(
     plan: CapturePlan, trace: Callable[..., list[Any]], names: list[str], eager_leaves: list[Any], graph_name: str,
-    output_axes: dict, optimize: bool, owner: torch.nn.Module | None,
+    output_axes: dict, optimize: bool, owner: torch.nn.Module | None, guard_nan: bool,
 ) -> exporters.ExportedGraph:
     call = plan.call
     dynamic = [dict(d) for d in plan.dynamic]
@@ -164,6 +165,7 @@ def _export(
                 trace, _distinct(call.feeds), input_names=list(call.names), output_names=names,
                 output_dtypes=[_output_dtype(leaf) for leaf in eager_leaves],
                 dynamic=dynamic, graph_name=graph_name, output_dims=output_axes, optimize=optimize, owner=owner,
+                guard_nan=guard_nan,
             )
         except exporters.Uncapturable as e:
             raise UncapturableError(str(e)) from e
