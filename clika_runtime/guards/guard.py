@@ -275,8 +275,10 @@ def _fits(guard: Guard) -> Callable[[Sequence[Any]], bool]:
     """``guard.check(feeds) is None``, as fast as the guard allows: for the usual guard of static
     shapes on the CPU, a comparison of each tensor's shape, dtype and device, nothing else."""
     exact, check = guard._exact, guard.check
-    if exact is None or guard.device not in ("cpu", None):
+    if guard.device not in ("cpu", None):
         return lambda feeds: check(feeds) is None
+    if exact is None:
+        return _dynamic_fits(guard)
     cpu = guard.device == "cpu"
     if len(exact) == 1:  # one input, the most common call: no loop
         ((shape, accept),) = exact
@@ -294,6 +296,55 @@ def _fits(guard: Guard) -> Callable[[Sequence[Any]], bool]:
             if feed.shape != shape or feed.dtype not in accept or (cpu and not feed.is_cpu):
                 return False
         return True
+
+    return fits
+
+
+def _dynamic_fits(guard: Guard) -> Callable[[Sequence[Any]], bool]:
+    """``fits`` of a guard with dynamic dims (a decoder step: its past length): the walk's
+    decision for the usual call in plain loops (each input's dtype, device, rank and static sizes,
+    each dim one size, every size inside its range, every condition as at capture), and the walk
+    itself for anything else (lifted numbers, points verified outside, what to accept or refuse
+    there). It returns True only where the walk finds no mismatch: ``_dims`` yields nothing when
+    no size is unusual and no condition flipped."""
+    check = guard.check
+    if any(rule.shape is None for rule in guard.inputs):
+        return lambda feeds: check(feeds) is None
+    layout = tuple(
+        (len(rule.shape), accept, tuple((a, d) for a, d in enumerate(rule.shape) if type(d) is int),
+         tuple((a, d) for a, d in enumerate(rule.shape) if type(d) is not int))
+        for rule, accept in zip(guard.inputs, guard._accept))
+    smallest = SPECIAL_BELOW if guard.verify_small else 0
+    names = {d for rule in guard.inputs for d in rule.shape if type(d) is not int}
+    bounds = tuple((name, max(guard.bounds(name)[0], smallest), guard.bounds(name)[1]) for name in sorted(names))
+    expected = tuple(value for _, value in guard.conditions)
+    cpu, count, outcomes = guard.device == "cpu", len(layout), guard.outcomes
+
+    def usual(feeds: Sequence[Any]) -> bool:
+        sizes: dict[str, int] = {}
+        for feed, (rank, accept, fixed, named) in zip(feeds, layout):
+            shape = feed.shape
+            if len(shape) != rank or feed.dtype not in accept or (cpu and not feed.is_cpu):
+                return False
+            for axis, want in fixed:
+                if shape[axis] != want:
+                    return False
+            for axis, name in named:
+                if sizes.setdefault(name, shape[axis]) != shape[axis]:
+                    return False
+        for name, lo, hi in bounds:
+            size = sizes[name]
+            if size < lo or (hi is not None and size > hi):
+                return False
+        return not expected or outcomes(feeds) == expected
+
+    def fits(feeds: Sequence[Any]) -> bool:
+        try:
+            if len(feeds) == count and usual(feeds):
+                return True
+        except AttributeError:  # not an array: the walk says what it is
+            pass
+        return check(feeds) is None
 
     return fits
 
