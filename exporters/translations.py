@@ -11,7 +11,9 @@ out (a sequence that is all padding: a warm-up batch of zero masks, a batch padd
 rows). torchlib fills boolean-masked scores with the dtype's lowest value instead of -inf, so its
 softmax spreads such a row evenly over every key and the graph returns the mean of the values;
 with a float mask of -inf its softmax returns NaN: other numbers than eager's either way. Ours
-zeroes exactly those rows after torchlib's attention, which keeps its pattern for the fusions.
+zeroes exactly those rows after torchlib's attention, which keeps its pattern for the fusions,
+and drops the NaN zeroing torchlib puts after a boolean-masked softmax, which turned a NaN the
+inputs carried into zeros.
 
 Max and min (``amax``, ``max(dim)``, ``min()``...), max pooling and ``argmax``/``argmin``: torch
 propagates a NaN (the max of a window holding one is NaN, argmax points at the first NaN);
@@ -61,6 +63,7 @@ def scaled_dot_product_attention(
     out = nn.aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is None:
         return out
+    _without_nan_zeroing(out)
     # Whether any key is visible to a query row: (..., L, 1), broadcast over heads and the value dim.
     if attn_mask.dtype == ir.DataType.BOOL:
         best = op.ReduceMax(op.Cast(attn_mask, to=ir.DataType.FLOAT), op.Constant(value_ints=[-1]), keepdims=1)
@@ -69,6 +72,21 @@ def scaled_dot_product_attention(
         best = op.ReduceMax(attn_mask, op.Constant(value_ints=[-1]), keepdims=1)
         visible = op.Not(op.IsInf(best, detect_positive=0))
     return op.Where(visible, out, op.CastLike(op.Constant(value_float=0.0), out))
+
+
+def _without_nan_zeroing(out: Any) -> None:
+    """Drop torchlib's ``Where(IsNaN(p), 0, p)`` between the softmax and the product with the
+    values (its boolean-mask form writes one): its mask is the dtype's lowest value, so the only
+    NaN it meets is one the inputs carried, which torch lets through (a NaN query gave 0 served
+    and NaN eager). It also cost two passes over the (batch, heads, query, key) scores. Rows the
+    mask hides entirely are zeroed after the product (``scaled_dot_product_attention``)."""
+    product = out.producer()
+    weights = product.inputs[0].producer() if product is not None and product.op_type == "MatMul" else None
+    if weights is None or weights.op_type != "Where" or weights.inputs[0] is None:
+        return
+    flags = weights.inputs[0].producer()
+    if flags is not None and flags.op_type == "IsNaN" and flags.inputs[0] is weights.inputs[2]:
+        product.replace_input_with(0, weights.inputs[2])  # the Where and IsNaN, unread, go with dead code
 
 
 def embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False,

@@ -112,3 +112,27 @@ def test_pools_run_bare_unless_a_nan_reaches_them(served):
     (guard,) = [node for node in graph.node if node.op_type == "If"]
     exact = next(a.g for a in guard.attribute if a.name == "then_branch")
     assert "AveragePool" in [node.op_type for node in exact.node]
+
+
+class MaskedAttention(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("boolean", [True, False], ids=["boolean mask", "float mask"])
+def test_a_nan_through_masked_attention_comes_out_as_in_torch(boolean):
+    """torchlib zeroed NaN after a boolean-masked softmax: a NaN query came out 0 served, NaN
+    eager. A row the mask hides entirely is still zeros, as in torch."""
+    model, f = MaskedAttention(), cr.compile(MaskedAttention())
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(1, 1, 4, 5, dtype=torch.bool)
+    mask[..., 2, :] = False  # query row 2 sees no key
+    if not boolean:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    with torch.no_grad():
+        f(q, k, v, mask)
+        q[0, 0, 1, 3] = float("nan")
+        got, expected = f(q, k, v, mask), model(q, k, v, mask)
+    assert f.captures[0].hits == 1
+    assert expected[0, 0, 1].isnan().all() and (expected[0, :, 2] == 0).all()
+    torch.testing.assert_close(got, expected, equal_nan=True)
