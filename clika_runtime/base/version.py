@@ -1,3 +1,3 @@
 """The library's version: written into every graph, part of every cache key."""
 
-VERSION = "0.2.0"
+VERSION = "0.3.0"
