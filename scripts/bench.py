@@ -4,7 +4,8 @@
                             [--workloads mlp_b1 cnn_b1 ...] [--no-inductor] [--rounds 21] [--block 0.02]
 
 Sections (default: all but real-size and precision, which take minutes):
-- served: the served call against eager, inductor and onnxruntime (bare run, and bound once: the floor);
+- served: the served call against eager, inductor and onnxruntime (bare run, and bound once: the floor),
+  and against the graph a user exports by hand (``torch.onnx.export(dynamo=True)``), bound once ("hand");
 - weights: the per-call cost of checking that baked weights (and Python state) are unchanged;
 - first-call: the first compiled call against the same steps done by hand;
 - cold-start: a fresh process's first call with an empty and a warm on-disk cache (bench_startup.py);
@@ -29,6 +30,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -47,9 +49,9 @@ import clika_runtime as cr  # noqa: E402
 
 TARGETS = {  # workload -> [(ratio name, limit)]
     "mlp_b1": [("clika/eager", 0.5), ("clika/ort_run", 1.0)],
-    "cnn_b1": [("clika/floor", 1.10)],
-    "cnn_b16": [("clika/floor", 1.10)],
-    "gpt2_tiny_s32": [("clika/floor", 1.10)],
+    "cnn_b1": [("clika/hand", 1.10)],
+    "cnn_b16": [("clika/hand", 1.10)],
+    "gpt2_tiny_s32": [("clika/hand", 1.10)],
     "transformer_layer_s128": [("clika/eager", 1.0)],
 }
 
@@ -80,6 +82,22 @@ def floor_binding(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -
         binding.bind_output(meta.name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
     binding.keep = keep  # the buffers live as long as the binding
     return binding
+
+
+def by_hand_binding(w: Workload, inputs: tuple) -> tuple[ort.InferenceSession, Any] | None:
+    """The workload exported by hand (``torch.onnx.export(dynamo=True)``, its defaults), bound
+    once like the floor: what a user gets without this library (``None`` where that export fails)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_hand_"), "model.onnx")
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(w.model, inputs, dynamo=True, optimize=True, verbose=False).save(path)
+    except Exception as e:  # the user's export fails where ours needed its own translations
+        print(f"{w.name}: no hand export ({type(e).__name__})")
+        return None
+    session = session_for(path)
+    names = [i.name for i in session.get_inputs()]
+    return session, floor_binding(session, {n: t.numpy() for n, t in zip(names, inputs)})
 
 
 def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -113,6 +131,9 @@ def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
         variants["inductor"] = inductor
     variants["ort_run"] = lambda: session.run(None, feeds)
     variants["floor"] = lambda: session.run_with_iobinding(binding)
+    hand = by_hand_binding(w, inputs)
+    if hand is not None:
+        variants["hand"] = lambda: hand[0].run_with_iobinding(hand[1])
     runner, feeds_in_order = current(f).parts.runner, list(inputs)
     variants["runner"] = lambda: runner.run(feeds_in_order)  # the graph's run alone: no checks, no output tree
     variants["clika"] = lambda: f(*inputs)
@@ -279,19 +300,20 @@ def main() -> int:
 def served_section(args: argparse.Namespace) -> list[str]:
     """The served-call table (printed) and its verdicts."""
     workloads = build(tuple(args.workloads) if args.workloads else None)
-    columns = ("eager", "inductor", "ort_run", "floor", "runner", "clika")
+    columns = ("eager", "inductor", "ort_run", "floor", "hand", "runner", "clika")
     header = f"{'workload':<24}" + "".join(f"{c:>10}" for c in columns) + \
-        "   clika/eager  clika/ort_run  clika/floor  runner/floor"
+        "   clika/eager  clika/ort_run  clika/floor  clika/hand  runner/floor"
     print("\nmedian us per call\n" + header)
     verdicts: list[str] = []
     for w in workloads:
         r = bench_workload(w, args)
         samples = r["_samples"]
-        ratios = {f"{a}/{b}": paired_ratio(samples[a], samples[b])
-                  for a, b in (("clika", "eager"), ("clika", "ort_run"), ("clika", "floor"), ("runner", "floor"))}
+        ratios = {f"{a}/{b}": paired_ratio(samples[a], samples[b]) if b in samples else float("nan")
+                  for a, b in (("clika", "eager"), ("clika", "ort_run"), ("clika", "floor"), ("clika", "hand"),
+                               ("runner", "floor"))}
         cells = "".join(f"{r[c]:>10.1f}" if c in r else f"{'-':>10}" for c in columns)
         print(f"{w.name:<24}{cells}   {ratios['clika/eager']:>11.2f}  {ratios['clika/ort_run']:>13.2f}  "
-              f"{ratios['clika/floor']:>11.2f}  {ratios['runner/floor']:>12.2f}")
+              f"{ratios['clika/floor']:>11.2f}  {ratios['clika/hand']:>10.2f}  {ratios['runner/floor']:>12.2f}")
         rss, growth = r["_memory"]
         verdicts.append(f"{w.name}: RSS {rss:.0f} MiB, growth over {args.memory_calls} served calls {growth:+.1f} MiB")
         for ratio, limit in TARGETS.get(w.name, []):
