@@ -328,3 +328,37 @@ def test_a_classifier_can_ask_that_every_predicted_class_stays_eagers():
     assert said and "top-1 agreement" in said[0] and "< 1.0" in said[0], said
     y, _ = called(strict, x)
     assert torch.allclose(y, head(x), rtol=1e-4, atol=1e-5)  # the fp32 graph serves
+
+
+def test_the_int8_graph_is_laid_out_for_onnxruntimes_fast_kernels(bert_int8, tmp_path):
+    """Before quantizing, the portable graph is rewritten (serving.int8_layout) so that onnxruntime
+    keeps its fast kernels: residual adds as ``Sum`` (not fused into the scalar
+    SkipLayerNormalization), torchlib's key transpose as one ``Transpose``, attention's scalings in
+    the weights. The rewrites compute what they replace: the fp32 graph rewritten gives the same
+    numbers."""
+    from serving import int8_layout, quantize
+
+    model, f = bert_int8
+    portable = onnx.load(str(f._lifecycle.table.captures[0].folder.model))
+    rewritten = onnx.load(str(f._lifecycle.table.captures[0].folder.model))
+    graph = rewritten.graph
+    ranks = {name: rank for name, (_, rank) in quantize._value_types(rewritten).items() if rank is not None}
+    assert int8_layout.key_transposes_folded(graph, ranks) == 2  # one per layer
+    assert int8_layout.scalings_folded(graph) == 4  # queries and keys
+    assert int8_layout.residual_adds_as_sums(graph) == 5  # the embeddings' and two per layer
+    onnx.checker.check_model(rewritten, full_check=True)
+    ids = torch.randint(1, 200, (3, 24))
+    mask = torch.ones_like(ids)
+    mask[2, 10:] = 0
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+    before, after = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+                     for m in (portable, rewritten))
+    for a, b in zip(before, after):
+        assert np.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(f.graphs()[0].model_proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    optimized = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    assert "SkipLayerNormalization" not in optimized and optimized.count("LayerNormalization") == 5
+    assert optimized.count("Transpose") == 4 * 2 and "Mul" not in optimized  # as Optimum's export, less its scalings
