@@ -3,8 +3,9 @@
 torch's max pooling returns NaN for a window holding one; onnxruntime's MaxPool skips it, so our
 translation (``translations.max_pool2d``) puts the NaN back: ``Where(IsNaN(AveragePool(x)), NaN,
 MaxPool(x))``. That costs a second pass over every pool's input and, on x86, breaks
-onnxruntime's blocked (NCHWc) layout around each pool: a pooling-heavy CNN ran 1.26-1.34x slower
-than with MaxPool alone (docs/BENCHMARKS.md, "NaN through max pooling, guarded").
+onnxruntime's blocked (NCHWc) layout around each pool: a pooling-heavy CNN's graph ran 1.25-1.36x
+the time of the same model exported with MaxPool alone (docs/BENCHMARKS.md, "This stop: guarded
+max pools...").
 
 So a graph with such pools is served as one ``If``: the *fast* graph, each pool a bare MaxPool,
 also averages each pool's input globally (``GlobalAveragePool``, which onnxruntime runs in the
