@@ -303,6 +303,8 @@ def _assert_same_state(got, expected):
     for k, v in exp_attrs.items():
         if v is None:
             assert got_attrs[k] is None
+        elif dataclasses.is_dataclass(v):  # a node inside the node
+            _assert_same_state(got_attrs[k], v)
         else:
             torch.testing.assert_close(got_attrs[k], v)  # tensors, and tuples of them
     if exp_items is not None:
@@ -320,10 +322,11 @@ def _assert_same_state(got, expected):
         (lambda: WithTotal(t(3)), False),
         (lambda: Slotted(t(2)), False),
         (lambda: Plain(t(2), None), False),  # a None leaf: identity says nothing about where it went
-        (lambda: BaseModelOutput(last_hidden_state=t(1, 2, 4), hidden_states=(t(1, 2, 4),)), False),  # nested
+        (lambda: BaseModelOutput(last_hidden_state=t(1, 2, 4), hidden_states=(t(1, 2, 4),)), True),  # nested
+        (lambda: Plain(WithTotal(t(3)), t(2)), True),  # cloned over a child whose constructor must run
     ],
     ids=["model_output", "plain_dataclass", "registered_dataclass", "computed_attribute", "slots", "none_leaf",
-         "nested"],
+         "nested", "nested_computed_child"],
 )
 def test_output_trees_are_rebuilt_as_their_constructor_builds_them(make, fast):
     trees.sync_registry()

@@ -196,42 +196,79 @@ def _unflatten(unflatten_fn: Any) -> Any:
 
 
 def rebuilder(spec: optree.PyTreeSpec, example: Sequence[Any]) -> Callable[[Sequence[Any]], Any]:
-    """``spec.unflatten``, or an equivalent that skips the node type's constructor.
+    """``spec.unflatten``, or an equivalent that skips node types' constructors.
 
     HuggingFace's ``ModelOutput`` constructor costs ~17 us a call (dataclass field scans on every
-    attribute set), as much as a small graph's run. When ``spec`` is one registered node over
-    leaves, and the object its unflatten builds from ``example`` holds nothing but those leaves and
-    ``None`` (in its ``__dict__`` and, for dict subclasses, its items), the same state is set on a
-    fresh instance directly. The clone is compared with the constructor's object here; anything
-    else (containers of containers, computed attributes, ``__slots__``, copies of leaves) keeps
-    the constructor, and so do leaves other than tensors: where the constructor put each leaf is
-    read from object identity, which says nothing for numbers and strings (cached, interned).
+    attribute set), as much as a small graph's run. When a registered node's object, built from
+    ``example``, holds nothing but its children and ``None`` (in its ``__dict__`` and, for dict
+    subclasses, its items), the same state is set on a fresh instance directly. The clone is
+    compared with the constructor's object here; anything else (computed attributes,
+    ``__slots__``, copies of children) keeps the constructor, and so do leaves other than tensors:
+    where the constructor put each leaf is read from object identity, which says nothing for
+    numbers and strings (cached, interned). A node over subtrees (a ``Seq2SeqLMOutput`` holding
+    its cache) is cloned over its children, each built by its own rebuilder.
     """
+    return _clone_builder(spec, list(example)) or spec.unflatten
+
+
+def _clone_builder(spec: optree.PyTreeSpec, leaves: list[Any]) -> Callable[[Sequence[Any]], Any] | None:
+    """A constructor-free builder of ``spec`` (see ``rebuilder``), or ``None`` where there is none."""
     import torch
 
-    unflatten = spec.unflatten
-    leaves = list(example)
-    if spec.is_leaf() or spec.type in _NATIVE or spec.num_children != spec.num_leaves:
-        return unflatten
+    if spec.is_leaf() or spec.type in _NATIVE:
+        return None
+    if spec.num_nodes != spec.num_children + 1:  # some child is a subtree
+        return _nested_builder(spec, leaves)
     if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        return unflatten
+        return None
+    return _checked_clone(spec.unflatten, leaves)
+
+
+def _checked_clone(unflatten: Callable[[Sequence[Any]], Any], children: list[Any]) -> Callable[[Sequence[Any]], Any] | None:
+    """The state clone of what ``unflatten`` builds from ``children``, when it matches the original."""
     try:
-        made = unflatten(leaves)
-        clone = _state_clone(made, leaves)
-        if clone is None or not _same_state(clone(leaves), made):
-            return unflatten
+        made = unflatten(children)
+        clone = _state_clone(made, children)
+        if clone is None or not _same_state(clone(children), made):
+            return None
     except Exception:  # an unusual type: the constructor it is
-        return unflatten
+        return None
     return clone
 
 
+def _nested_builder(spec: optree.PyTreeSpec, leaves: list[Any]) -> Callable[[Sequence[Any]], Any] | None:
+    """The node at ``spec``'s root cloned over its children; subtrees built by their own rebuilders.
+
+    A child that is a leaf must be a tensor, and one built by a rebuilder a new object on each
+    call (a ``None`` child is ``None``): the clone places children by identity."""
+    import torch
+
+    spans, start = [], 0
+    for child in spec.children():
+        end = start + child.num_leaves
+        spans.append((start, end, None if child.is_leaf() else rebuilder(child, leaves[start:end])))
+        start = end
+    children = [leaves[a] if build is None else build(leaves[a:z]) for a, z, build in spans]
+    if any(build is None and not isinstance(c, torch.Tensor) for c, (_, _, build) in zip(children, spans)):
+        return None
+    top = _checked_clone(spec.one_level().unflatten, children)
+    if top is None:
+        return None
+
+    def build(outs: Sequence[Any]) -> Any:
+        return top([outs[a] if sub is None else sub(outs[a:z]) for a, z, sub in spans])
+
+    return build
+
+
 def _state_clone(made: Any, leaves: list[Any]) -> Callable[[Sequence[Any]], Any] | None:
-    """A builder of ``type(made)`` from new leaves, when ``made``'s state is exactly leaves and ``None``."""
+    """A builder of ``type(made)`` from new children, when ``made``'s state is exactly children and ``None``."""
     cls = type(made)
     if not hasattr(made, "__dict__") or not all(map(_plain_layout, cls.__mro__)):
         return None
-    index = {id(leaf): i for i, leaf in enumerate(leaves)}
-    if len(index) != len(leaves):  # one object twice: positions would be ambiguous
+    placed = [(i, leaf) for i, leaf in enumerate(leaves) if leaf is not None]  # a None child stays None
+    index = {id(leaf): i for i, leaf in placed}
+    if len(index) != len(placed):  # one object twice: positions would be ambiguous
         return None
     attrs = [(k, None if v is None else index.get(id(v), -1)) for k, v in vars(made).items()]
     items = [(k, index.get(id(v), -1)) for k, v in dict.items(made)] if isinstance(made, dict) else []
