@@ -97,3 +97,30 @@ def test_reset_forgets_the_refused_keys():
     assert f.eager_keys
     f.reset()
     assert f.eager_keys == {} and f.state is State.Pending
+
+
+class _CastsToItsWeights(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.fc(x.to(self.fc.weight.dtype))).float()
+
+
+def test_trap_a_key_refused_for_its_weights_captures_again_once_they_are_converted_back():
+    # m.double(): onnxruntime has no float64 Erf, so the key (a float32 input) was refused; after
+    # m.float() it stayed eager for good, and f.state read Compiled with no capture and no reason.
+    model = _CastsToItsWeights().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        f(x)
+        model.double()
+        with pytest.warns(UserWarning, match="Erf"):
+            f(x)
+        assert f.state is State.Fallback and "Erf" in f.fallback_reason and not f.captures
+        model.float()
+        f(x)
+        torch.testing.assert_close(f(x), model(x))
+    assert f.state is State.Compiled and f.captures[0].hits == 1 and not f.eager_keys

@@ -13,7 +13,7 @@ import torch
 
 from clika_runtime.base.config import config
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge, Options
-from clika_runtime.function.planning import Eager, GiveUp, Verify, decide
+from clika_runtime.function.planning import Eager, GiveUp, decide
 from clika_runtime.function.table import CacheTable, State
 from clika_runtime.guards.guard import Guard, InputRule, Verified
 from clika_runtime.trees.calls import CallForms
@@ -134,23 +134,24 @@ def test_a_static_size_drift_plans_the_axis_dynamic():
     assert plan.reason == "shape drift: input 'x' axis 0: 2 -> 5"
 
 
-def test_sizes_below_two_on_a_dynamic_axis_are_verified_not_captured():
+def test_sizes_below_two_on_a_dynamic_axis_get_a_variant_traced_at_them():
     first = _call(torch.ones(4, 3))
     table = _table(_capture(first, [("x_dim0", 3)], dynamic=({0: None},)))
-    decision = decide(table, _call(torch.ones(1, 3)), Options(), None)
-    assert isinstance(decision, Verify) and decision.otherwise.variant
-    assert decision.otherwise.dynamic == ({},)  # were it captured: axis 0 at size 1 goes static
+    plan = decide(table, _call(torch.ones(1, 3)), Options(), None)
+    assert isinstance(plan, CapturePlan) and plan.variant and not plan.spends
+    assert plan.reason == "input 'x' axis 0: size 1, which the trace assumed away (sizes 0 and 1 get a trace of their own)"
+    assert plan.dynamic == ({},)  # axis 0 at size 1 goes static
 
 
-def test_a_flipped_condition_is_verified_until_the_points_run_out():
+def test_a_flipped_condition_gets_a_variant_unless_a_point_covers_it():
     first = _call(torch.ones(4, 3))
     condition = ((("eq", ("size", 0, 0), ("const", 4)), False),)
     capture = _capture(first, [("x_dim0", 3)], conditions=condition, dynamic=({0: None},))
-    assert isinstance(decide(_table(capture), _call(torch.ones(4, 3)), Options(), None), Verify)
-    points = tuple(Verified((("x_dim0", n),), (True,)) for n in (10, 11, 12, 13))  # MAX_POINTS elsewhere
-    full = _capture(first, [("x_dim0", 3)], conditions=condition, dynamic=({0: None},), verified=points)
-    plan = decide(_table(full), _call(torch.ones(4, 3)), Options(), None)
+    plan = decide(_table(capture), _call(torch.ones(4, 3)), Options(), None)
     assert isinstance(plan, CapturePlan) and plan.variant and "x.shape[0] == 4 was False, now True" in plan.reason
+    traced_there = _capture(first, [("x_dim0", 3)], conditions=condition, dynamic=({0: None},),
+                            verified=(Verified((("x_dim0", 4),), (True,)),))  # the capture's own example
+    assert decide(_table(traced_there), _call(torch.ones(4, 3)), Options(), None).capture is traced_there
 
 
 def test_the_budget_gives_up_with_the_last_reason_and_what_spent_it():

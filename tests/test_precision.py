@@ -277,16 +277,16 @@ def test_the_fp16_conversion_keeps_the_callers_dtypes(tmp_path):
     assert out.dtype == np.float32 and cosine(torch.from_numpy(out), model(x).detach()) >= 0.999
 
 
-def test_sizes_checked_after_the_capture_are_judged_by_agreement_too(bert_int8):
-    """A size the dynamic graph was not traced at (1) is checked against eager on its first call:
-    an int8 graph by its agreement, not the fp32 tolerance (which would refuse it and export a
-    needless variant)."""
+def test_a_size_traced_after_the_first_capture_is_int8_too(bert_int8):
+    """A batch of 1 (the dynamic graph was traced for batches from 2) gets a graph traced at 1:
+    quantized as well and judged by its agreement, not the fp32 tolerance (which would refuse it)."""
     model, f = bert_int8
     before = f.recapture_count
     ids = torch.randint(1, 200, (1, 16))
     first, said = called(f, input_ids=ids, attention_mask=torch.ones_like(ids))
     again, _ = called(f, input_ids=ids, attention_mask=torch.ones_like(ids))
-    assert f.recapture_count == before and not said, (f.recapture_reasons, said)
+    assert f.recapture_count == before + 1 and not said, (f.recapture_reasons, said)
+    assert all(c.precision.startswith("int8") for c in f.captures), [c.precision for c in f.captures]
     with torch.inference_mode():
         eager = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
     assert cosine(again.last_hidden_state, eager) >= 0.999

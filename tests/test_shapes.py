@@ -54,8 +54,9 @@ def test_dynamic_true_makes_every_axis_dynamic_from_the_first_capture():
     for shape in [(5, 7), (1, 1), (9, 2), (1, 1)]:
         x = torch.randn(shape)
         torch.testing.assert_close(f(x), x.softmax(-1))
-    # Sizes 1 are checked against eager once (one target call), then served by the same graph.
-    assert target.calls == calls + 1 and f.recapture_count == 0
+    # Sizes 1 get a graph of their own (torch.export traces the dynamic one for sizes from 2):
+    # one eager call and its trace, then served.
+    assert target.calls == calls + 2 and f.recapture_count == 1 and len(f.captures) == 2
     assert _graph_dims(f)["x"] == ["x_dim0", "x_dim1"]
 
 
@@ -165,13 +166,49 @@ def test_first_capture_at_size_one_then_drift_serves_one_and_other_sizes():
     target = Counted(lambda x, y: (x + y).sum(0))
     f = cr.compile(target)
     f(torch.randn(1, 3), torch.randn(1, 3))
-    f(torch.randn(4, 3), torch.randn(4, 3))  # drift: axis 0 dynamic; the size-1 graph is superseded
+    f(torch.randn(4, 3), torch.randn(4, 3))  # drift: axis 0 dynamic from size 2; the size-1 graph stays
     calls = target.calls
     for n in (1, 6, 1):
         x, y = torch.randn(n, 3), torch.randn(n, 3)
         torch.testing.assert_close(f(x, y), (x + y).sum(0))
-    # The dynamic graph is checked against eager at size 1 once (one target call), then serves it.
-    assert target.calls == calls + 1 and f.recapture_count == 1 and len(f.captures) == 1
+    assert target.calls == calls and f.recapture_count == 1 and len(f.captures) == 2
+
+
+def test_size_one_after_a_dynamic_capture_gets_a_graph_traced_at_one():
+    target = Counted(lambda x: (x * 2).sum(0))
+    f = cr.compile(target)
+    for n in (4, 6, 1):
+        f(torch.randn(n, 3))
+    calls = target.calls
+    for n in (1, 5):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(f(x), (x * 2).sum(0))
+    # Size 1 is traced on its own (torch.export assumed sizes from 2), as torch.compile does.
+    assert target.calls == calls and len(f.captures) == 2, f.recapture_reasons
+
+
+class _SizeOneBranch(torch.nn.Module):
+    def forward(self, x):
+        return x.clamp(min=0) * 2 if x.shape[0] == 1 else x * 2
+
+
+class _LargeBatchBranch(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x) if x.shape[0] > 4 else x
+
+
+@pytest.mark.parametrize("model, traced, other", [(_SizeOneBranch, (4, 6), 1), (_LargeBatchBranch, (2, 3), 6)],
+                         ids=["size_one", "past_a_range"])
+def test_trap_one_agreeing_call_at_an_untraced_size_does_not_vouch_for_the_next(model, traced, other):
+    # Data on which both sides agree (all positive) used to verify the graph at that size; the
+    # next call there, with negative data, was served the side the trace took.
+    m = model().eval()
+    f = cr.compile(m)
+    with torch.no_grad():
+        for n in traced:
+            f(torch.rand(n, 3))
+        for x in (torch.rand(other, 3), -torch.rand(other, 3)):  # the sides agree on the first only
+            torch.testing.assert_close(f(x), m(x))
 
 
 def test_zero_size_axes_work():

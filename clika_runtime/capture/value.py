@@ -4,7 +4,7 @@ when a later capture may supersede it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -62,8 +62,7 @@ class Capture:
         return f"<Capture {', '.join(map(str, self.guard.inputs))}>"
 
     def graph(self) -> graph_mod.ModelGraph:
-        """The capture's graph to hand out: a copy, carrying the guard as it stands now (with
-        the sizes 0/1 verified since the capture). At reduced precision, the graph that serves,
+        """The capture's graph to hand out: a copy, carrying its guard. At reduced precision, the graph that serves,
         with its measured agreement (int8: standard ONNX ops; fp16: onnxruntime's fused kernels
         where they applied); else the portable graph."""
         path = self.folder.model if self.precision is None else self.folder.reduced
@@ -73,12 +72,6 @@ class Capture:
             entries[metadata.META_PRECISION] = self.precision.to_json()
         metadata.attach(graph.model_proto, entries)
         return graph
-
-    def verified_at(self, feeds: Sequence[Any]) -> "Capture":
-        """This capture, also serving the point of ``feeds`` (checked against eager by the caller)."""
-        guard = self.guard.with_verified(feeds)
-        run, flat = closures.closures(self.parts, guard, self.key, self.positions, self.stats)
-        return replace(self, guard=guard, run=run, flat=flat)
 
 
 def examples(feeds: Sequence[Any]) -> tuple[Example, ...]:

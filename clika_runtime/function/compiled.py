@@ -154,7 +154,7 @@ class CompiledFunction(Copies, Generic[P, R]):
         ``Fallback`` while nothing is captured and the keys seen so far serve eagerly (their
         captures failed; ``eager_keys`` says why), though a call with a new key may still capture."""
         table = self._lifecycle.table
-        if table.state is State.Pending and table.refused:
+        if table.state is not State.Fallback and table.refused and not table.entries:
             return State.Fallback
         return table.state
 
@@ -175,7 +175,7 @@ class CompiledFunction(Copies, Generic[P, R]):
         table = self._lifecycle.table
         if table.state is State.Fallback:
             return table.fallback_why
-        return next(reversed(table.refused.values()))[1] if table.state is State.Pending and table.refused else None
+        return next(reversed(table.refused.values()))[1] if table.refused and not table.entries else None
 
     @property
     def eager_keys(self) -> dict[str, str]:

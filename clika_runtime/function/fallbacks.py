@@ -27,6 +27,7 @@ from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.capture.value import Capture
 from clika_runtime.function import staleness
 from clika_runtime.function.table import CacheTable, State, fallen_back, with_refused
+from clika_runtime.state import weights
 
 logger = logging.getLogger("clika_runtime")
 
@@ -96,7 +97,8 @@ class Fallbacks:
         with self.lock:
             if self.table.generation == generation and call.key not in self.table.refused:
                 words = call.described.words()
-                self.table = with_refused(self.table, call.key, words, why)
+                self.table = with_refused(self.table, call.key, words, why,
+                                          weights.converted_watch(self.target.owner, self.target.fn))
                 logger.info("%s serves eagerly until reset(), for calls with the key %s: %s", name, words, why)
                 warnings.warn(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key "
                               f"({words}): {why}; calls with other keys still capture", stacklevel=_user_level())

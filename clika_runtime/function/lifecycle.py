@@ -25,13 +25,12 @@ from clika_runtime.capture.closures import RunFailed
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
 from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.capture.value import Capture
-from clika_runtime.capture.verify import disagreement
 from clika_runtime.function import degrade, staleness
 from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiating, mutation
 from clika_runtime.function.planning import (
-    Decision, Eager, GiveUp, Serve, Verify, decide, learned, over_budget, planned,
+    Decision, Eager, GiveUp, Serve, decide, learned, planned,
 )
-from clika_runtime.function.table import CacheTable, State, empty, with_capture, with_replaced, without
+from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, with_capture, without
 from clika_runtime.state import weights
 from clika_runtime.state.snapshot import Snapshot
 from clika_runtime.trees import kvcache
@@ -75,11 +74,8 @@ class Lifecycle(Fallbacks):
             return self.target.eager(args, kwargs)
         if isinstance(decision, GiveUp):
             return self._give_up(decision.why, generation, lambda: self.target.eager(args, kwargs))
-        plan = decision.otherwise if isinstance(decision, Verify) else decision
-        token = (generation, plan.call.key)
+        token = (generation, decision.call.key)
         try:
-            if isinstance(decision, Verify):
-                return self._verify(decision, args, kwargs, generation, progress)
             return self._capture(decision, args, kwargs, generation, progress)
         finally:
             with self.lock:
@@ -120,6 +116,8 @@ class Lifecycle(Fallbacks):
         kvcache.register()  # KV-cache classes flatten through their adapter (before torch's registry is mirrored)
         trees.sync_registry((args, kwargs))  # new node types, and this call's containers of tensors
         table = self.table = staleness.checked(table, self.target)
+        if table.refused and not table.refused_still():  # m.float() after m.double() failed: try again
+            table = self.table = retrying_refused(table)
         target = self.target
         try:
             call = Call(target.forms, args, kwargs, target.owner, table.knowledge, target.options)
@@ -130,9 +128,8 @@ class Lifecycle(Fallbacks):
             self._say_once(differentiating(needing))
             return Eager(), call, table.generation
         decision = decide(table, call, target.options, target.owner)
-        if isinstance(decision, (CapturePlan, Verify)):
-            plan = decision.otherwise if isinstance(decision, Verify) else decision
-            token = (table.generation, plan.call.key)
+        if isinstance(decision, CapturePlan):
+            token = (table.generation, decision.call.key)
             if token in self._inflight or TARGETS.shared_here():
                 # another thread captures this key, or the target calls its own compiled function
                 return Eager(), call, table.generation
@@ -210,55 +207,13 @@ class Lifecycle(Fallbacks):
                                   knowledge=knowledge, notes=attempt.notes, limit=config.cache_size, snapshot=snapshot)
         return knowledge if knowledge.learned != table.knowledge.learned else None
 
-    def _verify(self, decision: Verify, args: tuple, kwargs: dict, generation: int, progress: "Progress") -> Any:
-        """Sizes the graph was not traced for: keep it for them if it agrees with eager there."""
-        plan, capture = decision.otherwise, decision.capture
-        out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
-        progress.ran, progress.out = True, out
-        if mutated:
-            return self._refuse(plan.call, mutation(mutated), generation, lambda: out)
-        if _blank(plan.call.feeds):  # zeros agree with either side of a branch: wait for a call that tells
-            return out
-        problem = _disagreement(capture, plan.call.feeds, out)
-        with self.lock:
-            table = self.table
-            if problem is None:
-                if table.generation == generation and capture in table.captures:
-                    self.table = with_replaced(table, capture, capture.verified_at(plan.call.feeds))
-                return out
-            why = over_budget(table, plan)
-        if why is not None:
-            return self._give_up(why, generation, lambda: out)
-        plan = CapturePlan(plan.call, plan.dynamic, plan.declared,
-                           f"{plan.reason}; the graph disagrees with eager there ({problem})", variant=True,
-                           untied=plan.untied)
-        return self._capture(plan, args, kwargs, generation, progress, eager=(out,))
-
     # ------------------------------------------------------------------------------- giving up
 
 
 def _covers(new: Capture, old: Capture) -> bool:
-    """Whether ``new`` serves what ``old`` served: its guard accepts the call ``old`` was made
-    from, but for sizes 0/1 it verifies against eager once (worth it: ``old`` holds a session)."""
-    return all(m.kind == "special" for m in new.guard.mismatches(old.example))
-
-
-def _disagreement(capture: Capture, feeds: Any, out: Any) -> str | None:
-    """How the graph's result for ``feeds`` differs from eager's ``out`` (``None``: it agrees)."""
-    try:
-        served = trees.flatten(capture.run(feeds))[0]
-        eager = trees.flatten(out)[0]
-        record = capture.precision
-        return disagreement(trees.output_names(out, eager), eager, served, record.agreement if record else None)
-    except Exception as error:  # onnxruntime refuses the graph at these sizes
-        return first_line(error)
-
-
-def _blank(feeds: Any) -> bool:
-    """Every fed tensor is all zeros (a warm-up call, a blank frame): agreeing with eager on it
-    says little about the other inputs of its sizes."""
-    tensors = [t for t in feeds if isinstance(t, torch.Tensor)]
-    return bool(tensors) and all(t.numel() and not t.any() for t in tensors)  # empty: its shape tells
+    """Whether ``new`` serves what ``old`` served: its guard accepts the call ``old`` was made from
+    (a graph traced at size 1 stays beside a dynamic one, which was traced for sizes from 2)."""
+    return not new.guard.mismatches(old.example)
 
 
 def _unwatched(capture: Capture, written: staleness.Written) -> list[str]:

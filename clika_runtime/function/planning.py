@@ -1,8 +1,8 @@
 """Capture planning: from a call, what the function knows, and its options, to what a miss does.
 
 Pure functions over plain data: nothing here exports, runs a graph or changes a table. A miss is
-one of: serve a capture another thread just made, serve eagerly, verify an existing graph at
-sizes 0/1, capture (first, new key, drift, a branch's other side), or give up (the budget).
+one of: serve a capture another thread just made, serve eagerly, capture (first, new key, drift,
+sizes the graph was not traced for, a branch's other side), or give up (the budget).
 """
 
 from __future__ import annotations
@@ -48,22 +48,13 @@ class Eager:
 
 
 @dataclass(frozen=True)
-class Verify:
-    """Run an existing dynamic graph at the call's sizes 0/1 and compare with eager; when it
-    agrees it serves those sizes from now on, else ``otherwise`` captures a variant for them."""
-
-    capture: "Capture"
-    otherwise: CapturePlan
-
-
-@dataclass(frozen=True)
 class GiveUp:
     """The re-capture budget is spent: serve eagerly until ``reset()``."""
 
     why: str
 
 
-Decision = Union[Serve, Eager, CapturePlan, Verify, GiveUp]
+Decision = Union[Serve, Eager, CapturePlan, GiveUp]
 
 
 def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Module | None) -> Decision:
@@ -109,29 +100,23 @@ def _number(static: Any) -> bool:
     return type(static) is tuple and static[:1] in ((int,), (float,))
 
 
-# Mismatches that a graph may be verified past (the eager result of the miss is in hand): sizes it
-# was not traced for, and branches that flip. Past MAX_POINTS verified points, a variant is traced.
-VERIFIABLE = frozenset({"special", "range", "condition"})
-MAX_POINTS = 4
+# Mismatches a variant is traced for, beside the graph: sizes it was not traced for (0/1, past the
+# exporter's range) and size branches that flip. The graph computes what its trace took there, and
+# one call that agrees with eager says nothing of the next (data on which both sides agree), so
+# such sizes get a trace of their own, as torch.compile re-compiles for them.
+VARIANT_KINDS = frozenset({"special", "range", "condition", "number"})
 
 
 def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], options: Options) -> Decision:
-    """A call whose key is cached but whose sizes no capture of it accepts: verify the newest
-    capture it only lies outside of, else trace a variant beside it, else (a static size drifted)
-    re-capture with the drifted axes dynamic."""
+    """A call whose key is cached but whose sizes no capture of it accepts: trace a variant beside
+    the newest capture it only lies outside of, else (a static size drifted) re-capture with the
+    drifted axes dynamic."""
     found = [(c, c.guard.mismatches(call.feeds)) for c in reversed(variants)]  # newest first
     declared = declared_axes(call, options)
     for capture, problems in found:
-        if {p.kind for p in problems} <= VERIFIABLE:
-            reason = "; ".join(str(p) for p in problems)
-            variant = CapturePlan(call, capture.dynamic, declared, reason, variant=True, untied=table.knowledge.untied)
-            if len(capture.guard.verified) < MAX_POINTS:
-                return Verify(capture, variant)
-            return _budgeted(table, variant)
-    for capture, problems in found:
-        if {p.kind for p in problems} <= VERIFIABLE | {"number"}:
+        if {p.kind for p in problems} <= VARIANT_KINDS:
             plan = CapturePlan(call, capture.dynamic, declared, "; ".join(str(p) for p in problems), variant=True,
-                               untied=table.knowledge.untied)
+                               untied=table.knowledge.untied, spends=not _small_sizes(problems))
             return _budgeted(table, plan)
     capture, problems = min(found, key=lambda pair: (sum(p.kind != "size" for p in pair[1]),
                                                      sum(p.kind == "size" for p in pair[1])))
@@ -146,6 +131,14 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
                        untied=untied)
     return _budgeted(table, plan)
+
+
+def _small_sizes(problems: Sequence[Any]) -> bool:
+    """Whether a call lies outside a graph only by sizes 0/1 (and the conditions they flip): the
+    variant traced for them is no waste, and there are few (two sizes per axis), so it spends no
+    budget, as a new key does not."""
+    sized = [p for p in problems if p.kind in ("special", "range")]
+    return bool(sized) and all(p.got < 2 for p in sized)
 
 
 def _split(capture: "Capture", problems: Sequence[Any], call: Call) -> frozenset[frozenset[tuple[str, int]]]:
@@ -182,12 +175,6 @@ def _spent(spent: Sequence[str]) -> str:
         kind += " before its graph served a call" if kind in _UNSERVED else ""
         kinds[kind] = kinds.get(kind, 0) + 1
     return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda item: -item[1]))
-
-
-def over_budget(table: CacheTable, plan: CapturePlan) -> str | None:
-    """Why ``plan`` may not be captured (the budget is spent), or ``None``."""
-    decision = _budgeted(table, plan)
-    return decision.why if isinstance(decision, GiveUp) else None
 
 
 def _key_change(table: CacheTable, call: Call) -> str | None:

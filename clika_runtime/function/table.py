@@ -76,6 +76,7 @@ class CacheTable:
     pending: str | None = None
     pending_spends: bool = False
     refused: Mapping[CallKey | None, tuple[str, str]] = field(default_factory=lambda: MappingProxyType({}))
+    refused_still: Callable[[], bool] = field(default=lambda: True)  # False once the weights were converted
     spent: tuple[str, ...] = ()
     last: Described | None = None  # the key of the last capture made (explains misses when none is cached)
     last_names: tuple[str, ...] = ()  # its graph input names
@@ -130,13 +131,6 @@ def with_capture(
     )
 
 
-def with_replaced(table: CacheTable, old: "Capture", new: "Capture") -> CacheTable:
-    """``table`` with one capture swapped for an updated one (a special size now verified)."""
-    entries = {key: tuple(new if c is old else c for c in variants) for key, variants in table.entries.items()}
-    flat = new.flat if table.flat is old.flat else table.flat
-    return _rebuilt(table, entries, flat=flat)
-
-
 def without(table: CacheTable, dropped: Sequence["Capture"], pending: str | None, spends: bool | None = None) -> CacheTable:
     """``table`` without some captures (a graph that failed, stale weights); the next capture says
     why, and spends the budget when ``spends`` says so (``None``: when none of them served a call,
@@ -158,13 +152,22 @@ def rewatched(table: CacheTable, snapshot: Snapshot | None = None) -> CacheTable
 REFUSED_KEPT = 64  # keys remembered as refused: past that, the oldest is tried again
 
 
-def with_refused(table: CacheTable, key: CallKey | None, words: str, why: str) -> CacheTable:
-    """``table`` with ``key``'s calls (``words``) served eagerly from now on (until ``reset()``), for ``why``."""
+def with_refused(table: CacheTable, key: CallKey | None, words: str, why: str,
+                 still: Callable[[], bool] | None = None) -> CacheTable:
+    """``table`` with ``key``'s calls (``words``) served eagerly from now on, for ``why``: until
+    ``reset()``, or until ``still()`` turns False (the weights were converted: tried again)."""
     refused = {k: v for k, v in table.refused.items() if k != key}
     refused[key] = (words, why)
     while len(refused) > REFUSED_KEPT:
         del refused[next(iter(refused))]
-    return replace(table, refused=MappingProxyType(refused))
+    return replace(table, refused=MappingProxyType(refused), refused_still=still or table.refused_still)
+
+
+def retrying_refused(table: CacheTable) -> CacheTable:
+    """``table`` with its refused keys to be tried again (the weights were converted since their
+    captures failed); calls that cannot be keyed stay eager."""
+    kept = {k: v for k, v in table.refused.items() if k is None}
+    return replace(table, refused=MappingProxyType(kept), refused_still=lambda: True)
 
 
 def fallen_back(table: CacheTable, why: str) -> CacheTable:

@@ -3,8 +3,8 @@
 A ``Guard`` holds, per graph input, its dtype and shape (an int where static, a dim name where
 dynamic; one name means one size), the size range the exporter assumed for each dim, the value
 range of each lifted Python number, the size conditions the trace branched on (with the value
-each had at capture; ``conditions.py`` is their language), and the points verified against eager
-outside of those: sizes 0 and 1, sizes outside a range, sizes that flip a condition.
+each had at capture; ``conditions.py`` is their language), and the points outside of those where
+the graph was traced and verified all the same (its capture's own call: a decoder's past of 1).
 ``check(feeds)`` returns the first ``Mismatch`` (or ``None``) and serves both to decide and to
 explain. The same guard ships in a graph's metadata as JSON (``json_form.py``) and ``cr.load``
 enforces it.
@@ -23,7 +23,7 @@ import numpy as np
 from clika_runtime.guards.conditions import defined, render
 
 # Sizes 0 and 1 are where tracers assume most (broadcasting, 0/1 specialisation): in process, a
-# graph serves a dynamic dim at these sizes only once a call at that size was verified against eager.
+# graph serves a dynamic dim at these sizes only where it was traced at them (a ``Verified`` point).
 SPECIAL_BELOW = 2
 NUMBER_PREFIX = "#"  # starts a lifted number's name where verified points record values by name
 
@@ -41,9 +41,10 @@ class InputRule:
 
 @dataclass(frozen=True)
 class Verified:
-    """A point outside what the graph was traced for, verified against eager: calls whose dims
-    listed here have exactly these sizes, and whose conditions evaluate to ``outcomes``, are
-    served by this graph (the other dims may take any size the guard accepts)."""
+    """A point outside the graph's ranges and conditions where it was traced and verified all the
+    same (its capture's own call): calls whose dims listed here have exactly these sizes, and whose
+    conditions evaluate to ``outcomes``, are served by this graph (the other dims may take any
+    size the guard accepts)."""
 
     sizes: tuple[tuple[str, int], ...]
     outcomes: tuple[Any, ...]
@@ -54,8 +55,8 @@ class Mismatch:
     """Why a guard refuses a call: ``kind`` is one of ``count``, ``type``, ``dtype``, ``device``,
     ``rank``, ``size`` (a static axis), ``equal`` (dims sharing a name differ), ``range`` (a size
     outside what the exporter assumed), ``number``, ``condition`` (a size branch flipped) or
-    ``special`` (size 0 or 1 not yet verified). ``range``, ``condition`` and ``special`` are the
-    kinds a verification against eager can accept (``Guard.with_verified``)."""
+    ``special`` (size 0 or 1, which the trace assumed away). ``range``, ``condition`` and
+    ``special`` are the kinds a variant traced at the call's sizes serves."""
 
     kind: str
     input: str | None
@@ -77,7 +78,7 @@ class Mismatch:
             "range": f"{where}: size {self.got} outside the graph's range {self.expected}",
             "number": f"{where} = {self.got}: outside the graph's range {self.expected}",
             "condition": f"a size condition the graph was traced under changed: {self.detail}",
-            "special": f"{where}: size {self.got} not yet verified for this graph",
+            "special": f"{where}: size {self.got}, which the trace assumed away (sizes 0 and 1 get a trace of their own)",
         }[self.kind]
         return text
 
@@ -88,8 +89,8 @@ class Guard:
 
     ``device`` and ``verify_small`` are the in-process part, not shipped: the device fed tensors
     must be on, and whether a dynamic dim at size 0 or 1 needs a ``Verified`` point even inside
-    its range (in process, one eager call verifies it; a shipped graph has no eager to ask, and
-    serves what its ranges and verified points say).
+    its range (in process, those sizes get a variant traced at them; a shipped graph has no
+    tracer to ask, and serves what its ranges and verified points say).
     """
 
     inputs: tuple[InputRule, ...]
@@ -150,8 +151,8 @@ class Guard:
         return tuple(defined(tree, feeds) for tree, _ in self.conditions)
 
     def point(self, feeds: Sequence[Any]) -> Verified | None:
-        """Where ``feeds`` lie outside what the graph was traced for (sizes 0/1 to verify, sizes
-        outside a range, sizes that flip a condition), as the point a verification would add;
+        """Where ``feeds`` lie outside what the graph was traced for (sizes 0/1, sizes outside a
+        range, sizes that flip a condition), as the point a capture from them adds;
         ``None`` when they lie inside (or do not fit the inputs at all)."""
         sizes = self._sizes(feeds)
         outcomes = self.outcomes(feeds)
@@ -168,7 +169,7 @@ class Guard:
         return replace(self, example=tuple(self._sizes(feeds).items()))
 
     def with_verified(self, feeds: Sequence[Any]) -> "Guard":
-        """This guard, also accepting the point of ``feeds`` (checked against eager by the caller)."""
+        """This guard, also accepting the point of ``feeds`` (the capture's own call, traced there)."""
         point = self.point(feeds)
         if point is None or point in self.verified:
             return self
@@ -231,7 +232,7 @@ class Guard:
         for i in flipped:
             involved |= self._reads[i]
         if (tuple(sorted((d, sizes[d]) for d in involved)), outcomes) in self._points:
-            return  # verified against eager at this point
+            return  # traced and verified at this point
         for name, size in unusual.items():
             lo, hi = self._bounds.get(name, (0, None))
             kind = "range" if size < lo or (hi is not None and size > hi) else "special"

@@ -180,6 +180,21 @@ def bake(
     return baked
 
 
+def converted_watch(owner: torch.nn.Module | None, target: Any) -> Callable[[], bool]:
+    """A check that is True while no parameter or buffer of ``owner``, nor a tensor ``target``
+    closes over, was converted or replaced (``.float()``, ``.to()``, a new submodule, a rebound
+    tensor): what may make a capture that failed succeed. In-place writes do not count (a
+    training-mode forward writes its buffers on every call, and a new value rarely fixes a
+    capture). It walks the module on every call: for the eager path only."""
+
+    def layouts() -> tuple:
+        tensors = [*owner.parameters(), *owner.buffers()] if owner is not None else []
+        return tuple(map(_layout, tensors + [t for _, t in closure_tensors(target)]))
+
+    before = layouts()
+    return lambda: layouts() == before
+
+
 def _reached_tensors(target: Any, owner: torch.nn.Module | None) -> dict[tuple, tuple[str, torch.Tensor, Any]]:
     """The parameters and buffers of modules the target reaches outside its owner's registered
     tree (a model in a closure, a global, a partial, an object's attribute, a plain list), by
