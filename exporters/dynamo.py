@@ -332,6 +332,7 @@ def _edited(
     graph_edits.fix_outputs(model, output_names, output_dtypes)
     graph_edits.pin_dims(model, _pinned(program.exported_program))
     graph_edits.pin_derived_inputs(model, examples)
+    graph_edits.widen_indices(model)
     declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
     renames = graph_edits.name_dims(model, declared, output_dims, number_symbols)
     if guard_nan:

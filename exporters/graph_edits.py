@@ -52,6 +52,24 @@ def fix_outputs(model: ir.Model, names: Sequence[str], dtypes: Sequence[ir.DataT
         value.name = name
 
 
+# ONNX ops whose indices input must be int64 (torchlib passes int32 indices through as they came:
+# onnxruntime then refuses the model). Gather, GatherElements and ScatterElements take int32 too.
+_INT64_INDICES = {"GatherND": 1, "ScatterND": 1}
+
+
+def widen_indices(model: ir.Model) -> None:
+    """Cast int32 indices to int64 where the op takes int64 only (``w[ids]`` with int32 ``ids``)."""
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        position = _INT64_INDICES.get(node.op_type) if node.domain == "" else None
+        indices = node.inputs[position] if position is not None else None
+        if indices is None or indices.dtype != ir.DataType.INT32:
+            continue
+        widen = ir.Node("", "Cast", [indices], [ir.AttrInt64("to", ir.DataType.INT64)], num_outputs=1)
+        widen.outputs[0].dtype, widen.outputs[0].shape = ir.DataType.INT64, indices.shape
+        node.graph.insert_before(node, widen)
+        node.replace_input_with(position, widen.outputs[0])
+
+
 def pin_dims(model: ir.Model, pinned: Mapping[str, int]) -> None:
     """Make dims whose symbol the exporter pinned to one value (range [v, v]) static ``v``."""
     if not pinned:

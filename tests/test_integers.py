@@ -41,3 +41,27 @@ def test_an_integer_division_by_zero_raises_as_in_torch(mode):
     f(torch.tensor([10, 20]), torch.tensor([2, 5]))
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         f(torch.tensor([10, 20]), torch.tensor([2, 0]))
+
+
+_TABLE = torch.arange(40.0).reshape(10, 4)
+
+
+def _index_put(x, ids):
+    out = x.clone()
+    out[ids] = 1.0
+    return out
+
+
+@pytest.mark.parametrize("lookup", [lambda ids: _TABLE[ids] * 2, lambda ids: _TABLE[ids, ids % 4],
+                                    lambda ids: _index_put(_TABLE, ids)],
+                         ids=["rows", "pairs", "index_put"])
+def test_trap_int32_indices_are_served(lookup):
+    # torchlib gave GatherND the int32 indices as they came (ONNX takes int64 only): onnxruntime
+    # refused the graph and the key served eagerly, saying "invalid model".
+    f = cr.compile(lookup)
+    ids = torch.tensor([[1, 2], [3, 9]], dtype=torch.int32)
+    f(ids)
+    assert f.state is cr.CompiledFunction.State.Compiled, f.fallback_reason
+    other = torch.tensor([[0, 5], [7, 8]], dtype=torch.int32)
+    torch.testing.assert_close(f(other), lookup(other))
+    assert f.captures[0].hits == 1
