@@ -289,6 +289,8 @@ REFUSALS = {  # graph, options, the message (a regular expression)
     "negative batch": ("batched", {"max_batch_size": -1}, r"^max_batch_size: expected an int >= 0, got -1$"),
     "bool batch": ("batched", {"max_batch_size": True}, r"^max_batch_size: expected an int >= 0, got True$"),
     "kind": ("batched", {"kind": "tpu"}, r"^kind: expected 'cpu' or 'gpu', got 'tpu'$"),
+    "batch condition": ("even", {"max_batch_size": 8}, r"traced under a condition on its batch dim 'x_dim0' "
+                        r"\(x\.shape\[0\] % 2 == 0\): requests batched together would change it; use max_batch_size=0"),
 }
 
 
@@ -308,6 +310,8 @@ def refused(batched, static, lifted):
             return _capture(lambda x: x @ x.T, (torch.randn(2, 4),), (torch.randn(3, 4),))
         if name == "branch":  # traced at batches 2 and 3: the guard ends at 4
             return _capture(lambda x: x * 2 if x.shape[0] > 4 else x + 1, (torch.randn(2, 4),), (torch.randn(3, 4),))
+        if name == "even":  # a size condition on the batch dim: batching requests together flips it
+            return _capture(lambda x: x * 2 if x.shape[0] % 2 == 0 else x * 3, (torch.randn(2, 4),), (torch.randn(4, 4),))
         if name == "branch_high":  # the other side of the branch: the guard starts at 5
             return _capture(lambda x: x * 2 if x.shape[0] > 4 else x * 3, (torch.randn(5, 4),), (torch.randn(8, 4),))
         return built[name]
@@ -322,6 +326,53 @@ def test_what_triton_would_refuse_is_refused_before_anything_is_written(case, re
         refused(source).to_triton(tmp_path / "repo", **options)
     assert isinstance(caught.value, ValueError) and "\n" not in str(caught.value)
     assert not (tmp_path / "repo").exists()
+
+
+# ------------------------------------------------------------------------------ the guard in the model
+
+
+class _Width(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if x.shape[1] % 4 == 0 else x * 3
+
+
+@pytest.fixture(scope="module")
+def widths():
+    """Traced at widths 8 and 12: the guard holds the graph to widths divisible by 4."""
+    return _capture(_Width().eval(), (torch.randn(2, 8),), (torch.randn(3, 12),), dynamic=True)
+
+
+def _run(folder: Path, **feeds) -> list:
+    session = ort.InferenceSession(str(folder / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    return session.run(None, {k: np.asarray(v) for k, v in feeds.items()})
+
+
+def test_trap_a_size_branch_on_a_non_batch_dim_is_enforced_in_the_model_triton_serves(widths, tmp_path):
+    # Triton sends any width (dims -1) and reads no guard: the written model served width 10 the
+    # `% 4 == 0` side, x * 2 where eager gives x * 3, and check_repository found nothing.
+    folder = widths.to_triton(tmp_path / "repo", max_batch_size=8, dynamic_batching=True)
+    for shape in ((2, 8), (5, 12), (1, 4)):
+        x = np.random.rand(*shape).astype(np.float32)
+        np.testing.assert_allclose(_run(folder, x=x)[0], x * 2, rtol=1e-6)
+    with pytest.raises(Exception, match=r"clika_runtime\.guard: the request's sizes are outside what the graph was "
+                                        r"traced for \(x\.shape\[1\] % 4 == 0\)"):
+        _run(folder, x=np.ones((2, 10), np.float32))
+    assert check_repository(folder) == []
+
+
+def test_dims_the_graph_shares_are_held_equal_in_the_model_triton_serves(masked, tmp_path):
+    folder = masked.to_triton(tmp_path / "repo", max_batch_size=4)
+    _run(folder, x=np.ones((3, 5, 8), np.float32), mask=np.ones((3, 5), np.float32))
+    with pytest.raises(Exception, match=r"clika_runtime\.guard: .*x\.shape\[0\] == mask\.shape\[0\]"):
+        _run(folder, x=np.ones((3, 5, 8), np.float32), mask=np.ones((2, 5), np.float32))
+
+
+def test_check_repository_flags_a_model_without_its_guard(widths, tmp_path):
+    folder = widths.to_triton(tmp_path / "repo")
+    widths.save(folder / "1" / "model.onnx")  # the graph as captured, over the written one
+    (problem,) = check_repository(folder)
+    assert problem.startswith("the graph's guard is not in the model (x.shape[1] % 4 == 0): Triton does not check "
+                              "it"), problem
 
 
 # ------------------------------------------------------------------------------------- external data

@@ -142,6 +142,10 @@ class Guard:
                 pass
         return next(self._walk(feeds), None)
 
+    def dims_read(self, condition: int) -> frozenset[str]:
+        """The dim names (and ``#``-prefixed lifted numbers) condition number ``condition`` reads."""
+        return self._reads[condition]
+
     def mismatches(self, feeds: Sequence[Any]) -> list[Mismatch]:
         """Every reason this graph may not serve ``feeds`` (empty when it may)."""
         return list(self._walk(feeds))

@@ -19,7 +19,7 @@ from clika_runtime.format.graphfile import escapes, outside
 from clika_runtime.triton import pbtxt
 from clika_runtime.triton.rules import (
     CONFIG_FILE, MODEL_FILE, PLATFORM, TRITON_TYPES, Tensor, declared_tensors, escape_problem, external_locations,
-    name_problems, range_problems, tensor_problems,
+    name_problems, range_problems, tensor_problems, unenforced_problems,
 )
 
 
@@ -74,7 +74,7 @@ def check_repository(model_folder: str | os.PathLike) -> list[str]:
     tensors = declared_tensors(proto)
     return (problems + _stored_data_problems(proto, model.parent)
             + tensor_problems(_listed(tensors, config), config.max_batch_size) + _agreement_problems(config, tensors)
-            + range_problems(proto, tensors, config.max_batch_size))
+            + range_problems(proto, tensors, config.max_batch_size) + unenforced_problems(proto))
 
 
 def read_config(path: str | os.PathLike) -> TritonConfig:

@@ -20,6 +20,9 @@ from clika_runtime.base.errors import GraphFileError
 from clika_runtime.format import metadata
 from clika_runtime.format.graphfile import escapes
 from clika_runtime.format.interface import interface
+from clika_runtime.guards.conditions import render
+from clika_runtime.guards.guard import Guard
+from clika_runtime.triton.enforced import PREFIX, enforced, words
 
 PLATFORM = "onnxruntime_onnx"
 CONFIG_FILE = "config.pbtxt"
@@ -140,28 +143,63 @@ def _batch_beyond_dim0(tensors: list[Tensor], batch: str) -> list[str]:
 
 def range_problems(model_proto: Any, tensors: list[Tensor], max_batch_size: int) -> list[str]:
     """Batch sizes Triton sends (1 to ``max_batch_size``) that the graph's guard does not take
-    for its batch dim (a branch on the batch size traced one way: ``x.shape[0] > 4``). Triton does
-    not read the guard, so its batcher would run the graph on batches it does not compute right."""
+    for its batch dim (a branch on the batch size traced one way: ``x.shape[0] > 4``), and size
+    conditions that read the batch dim: Triton does not read the guard, so its batcher would run
+    the graph on batches it does not compute right (the guard written into the model would fail
+    requests that pass alone, for the others batched with them)."""
     batch = next((t.shape[0] for t in tensors if t.role == "input" and t.shape and isinstance(t.shape[0], str)
                   and t.shape[0]), None)
-    try:
-        found = metadata.read({p.key: p.value for p in model_proto.metadata_props}, "the graph")
-    except GraphFileError as e:
-        return [str(e)]
-    if max_batch_size == 0 or batch is None or found is None or found.guard is None:
+    guard = guard_of(model_proto)
+    if isinstance(guard, str):
+        return [guard]
+    if max_batch_size == 0 or batch is None or guard is None:
         return []
-    bounds = [(lo, hi) for name, lo, hi in found.guard.ranges if name == batch]
+    problems = _batch_condition_problems(guard, batch)
+    bounds = [(lo, hi) for name, lo, hi in guard.ranges if name == batch]
     lowest = max((lo for lo, _ in bounds), default=0)
     highest = min((hi for _, hi in bounds if hi is not None), default=None)
     if lowest > 1:
-        return [f"max_batch_size {max_batch_size}: Triton sends batches of 1 to {max_batch_size}, but the graph "
-                f"takes sizes from {lowest} on for its batch dim '{batch}' (it was traced for those; Triton does not "
-                f"check; its trace branched on the batch size): use max_batch_size=0 and send batches of "
-                f"{lowest} or more, or take the branch out of the model"]
+        return problems + [
+            f"max_batch_size {max_batch_size}: Triton sends batches of 1 to {max_batch_size}, but the graph "
+            f"takes sizes from {lowest} on for its batch dim '{batch}' (it was traced for those; Triton does not "
+            f"check; its trace branched on the batch size): use max_batch_size=0 and send batches of "
+            f"{lowest} or more, or take the branch out of the model"]
     if highest is None or max_batch_size <= highest:
+        return problems
+    return problems + [
+        f"max_batch_size {max_batch_size} is past the sizes the graph takes for its batch dim '{batch}' "
+        f"(up to {highest}: it was traced for those; Triton does not check): use max_batch_size={highest}"]
+
+
+def unenforced_problems(model_proto: Any) -> list[str]:
+    """A model whose guard asks what Triton's config cannot (equal dims, ranges, size conditions)
+    without the guard written into it (``enforced``): a request outside it is served wrong."""
+    guard = guard_of(model_proto)
+    if not isinstance(guard, Guard) or enforced(model_proto, guard) is model_proto:
         return []
-    return [f"max_batch_size {max_batch_size} is past the sizes the graph takes for its batch dim '{batch}' "
-            f"(up to {highest}: it was traced for those; Triton does not check): use max_batch_size={highest}"]
+    if any(node.name.startswith(PREFIX) for node in model_proto.graph.node):
+        return []
+    return [f"the graph's guard is not in the model ({words(guard)}): Triton does not check it, so a "
+            "request outside it would be served the graph's answer for other sizes; write the model with "
+            "to_triton or `clika-runtime triton`, which put the guard in the model"]
+
+
+def guard_of(model_proto: Any) -> Guard | str | None:
+    """The guard in the graph's metadata (``None``: none; a string: why the metadata is unreadable)."""
+    try:
+        found = metadata.read({p.key: p.value for p in model_proto.metadata_props}, "the graph")
+    except GraphFileError as e:
+        return str(e)
+    return None if found is None else found.guard
+
+
+def _batch_condition_problems(guard: Guard, batch: str) -> list[str]:
+    reading = [render(tree, [r.name for r in guard.inputs]) for n, (tree, _) in enumerate(guard.conditions)
+               if batch in guard.dims_read(n)]
+    if not reading:
+        return []
+    return [f"max_batch_size > 0 but the graph was traced under a condition on its batch dim '{batch}' "
+            f"({'; '.join(reading)}): requests batched together would change it; use max_batch_size=0"]
 
 
 def _make_dynamic(tensor: Tensor) -> str:

@@ -17,12 +17,14 @@ import onnx
 
 from clika_runtime.base.errors import DeployError
 from clika_runtime.base.version import VERSION
+from clika_runtime.format import writing
 from clika_runtime.format.graphfile import too_big
 from clika_runtime.triton import pbtxt
 from clika_runtime.triton.rules import (
     CONFIG_FILE, MODEL_FILE, PLATFORM, TRITON_TYPES, Tensor, declared_tensors, default_name, name_problems,
-    range_problems, reference_problems, tensor_problems,
+    guard_of, range_problems, reference_problems, tensor_problems,
 )
+from clika_runtime.triton.enforced import enforced
 
 logger = logging.getLogger("clika_runtime")
 
@@ -37,8 +39,6 @@ class Shippable(Protocol):
 
     @property
     def graph_name(self) -> str: ...
-
-    def save(self, path: str | os.PathLike, *, external_data: bool | None = None) -> Any: ...
 
 
 def write_model(
@@ -66,7 +66,9 @@ def write_model(
                        "from release 26.03 on; older releases refuse the model", name)
     text = _config_text(graph.graph_name, name, tensors, max_batch_size, batching, instances, kind)
     folder = Path(repository) / name
-    _write_model_file(graph, folder / str(version) / MODEL_FILE, external_data)
+    guard = guard_of(graph.model_proto)  # checked readable by range_problems
+    proto = graph.model_proto if guard is None else enforced(graph.model_proto, guard)
+    _write_model_file(proto, folder / str(version) / MODEL_FILE, external_data)
     # The config goes last and whole, so that a Triton polling the repository never sees a config
     # without its model, nor half a config.
     partial = folder / f".{CONFIG_FILE}.partial"
@@ -153,21 +155,21 @@ def _list(values: Any) -> str:
     return "[ " + ", ".join(str(v) for v in values) + " ]"
 
 
-def _write_model_file(graph: Shippable, target: Path, external_data: bool | None) -> None:
+def _write_model_file(proto: Any, target: Path, external_data: bool | None) -> None:
     """Write the version's model: one file, or with external data the folder Triton's docs ask for
     (docs/model_repository.md, "ONNX Models": a folder named model.onnx holding model.onnx and the
     other files; the backend opens <folder>/model.onnx by path, so the data resolves beside it).
     ``save`` replaces files atomically; a change between the two layouts is made beside and
     swapped in by two renames: a moment without a model, never half of one."""
     if external_data is None:
-        external_data = too_big(graph.model_proto)
+        external_data = too_big(proto)
     if not target.exists() or target.is_dir() == external_data:
-        graph.save(target / MODEL_FILE if external_data else target, external_data=external_data)
+        writing.save(proto, target / MODEL_FILE if external_data else target, external_data=external_data)
         return
     token = secrets.token_hex(6)
     staged, aside = target.with_name(f".{target.name}.{token}"), target.with_name(f".{target.name}.{token}.old")
     try:
-        graph.save(staged / MODEL_FILE if external_data else staged, external_data=external_data)
+        writing.save(proto, staged / MODEL_FILE if external_data else staged, external_data=external_data)
         os.replace(target, aside)
         try:
             os.replace(staged, target)
