@@ -53,6 +53,14 @@ def test_a_structure_change_names_the_argument_that_appeared():
     assert f.recapture_reasons == ["new structure: 'mask' appeared"]
 
 
+def test_trap_a_list_passed_again_as_a_tuple_says_so():
+    # The same leaves in another container read "the inputs were rearranged: 'xs_0', 'xs_1' -> 'xs_0', 'xs_1'".
+    f = cr.compile(lambda xs: xs[0] + xs[1])
+    f([torch.ones(2), torch.ones(2)])
+    f((torch.ones(2), torch.ones(2)))
+    assert f.recapture_reasons == ["new structure: a list became a tuple (holding 'xs_0', 'xs_1')"]
+
+
 def test_a_float_that_varies_on_every_call_is_told_to_come_as_a_tensor(monkeypatch):
     monkeypatch.setattr(cr.config, "recapture_limit", 2)
     f = cr.compile(lambda x, sigma: x * sigma)

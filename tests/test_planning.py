@@ -190,3 +190,15 @@ def test_a_changed_int_becomes_a_graph_input():
     plan = decide(table, _call(torch.ones(2), 4), Options(), None)
     assert isinstance(plan, CapturePlan) and plan.call.lifted == frozenset({1})
     assert plan.reason == "static value changed: 'mode' 3 -> 4; it becomes a graph input"
+
+
+def test_a_reason_names_the_first_few_mismatches_and_counts_the_rest():
+    first = _call(torch.ones(4, 3))
+    long = ("gt", ("max", *[("size", 0, 0)] * 60), ("const", 8))  # a Swin window's sympy runs to KBs
+    conditions = tuple(((("gt", ("size", 0, 0), ("const", 4 + k)), False)) for k in range(4)) + ((long, False),)
+    capture = _capture(first, [("x_dim0", 3)], conditions=conditions, dynamic=({0: None},))
+    plan = decide(_table(capture), _call(torch.ones(9, 3)), Options(), None)
+    assert plan.reason.endswith("; and 2 more") and plan.reason.count("was False, now True") == 3, plan.reason
+    lengthy = decide(_table(_capture(first, [("x_dim0", 3)], conditions=((long, False),), dynamic=({0: None},))),
+                     _call(torch.ones(9, 3)), Options(), None)
+    assert len(lengthy.reason) == 240 and lengthy.reason.endswith("..."), lengthy.reason

@@ -367,6 +367,16 @@ def test_dims_the_graph_shares_are_held_equal_in_the_model_triton_serves(masked,
         _run(folder, x=np.ones((3, 5, 8), np.float32), mask=np.ones((2, 5), np.float32))
 
 
+def test_trap_check_repository_of_a_repository_names_its_models(widths, tmp_path):
+    # It read "[Errno 2] No such file or directory: '<repo>/config.pbtxt'".
+    widths.to_triton(tmp_path / "repo", name="a")
+    widths.to_triton(tmp_path / "repo", name="b")
+    assert check_repository(tmp_path / "repo") == [
+        f"{tmp_path / 'repo'}: a model repository, not a model folder: check one of its models (a, b)"]
+    assert check_repository(tmp_path / "none") == [
+        f"{tmp_path / 'none'}: no such folder (expected a Triton model folder, holding config.pbtxt)"]
+
+
 def test_check_repository_flags_a_model_without_its_guard(widths, tmp_path):
     folder = widths.to_triton(tmp_path / "repo")
     widths.save(folder / "1" / "model.onnx")  # the graph as captured, over the written one

@@ -115,7 +115,7 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     declared = declared_axes(call, options)
     for capture, problems in found:
         if {p.kind for p in problems} <= VARIANT_KINDS:
-            plan = CapturePlan(call, capture.dynamic, declared, "; ".join(str(p) for p in problems), variant=True,
+            plan = CapturePlan(call, capture.dynamic, declared, _words(problems), variant=True,
                                untied=table.knowledge.untied, spends=not _small_sizes(problems))
             return _budgeted(table, plan)
     capture, problems = min(found, key=lambda pair: (sum(p.kind != "size" for p in pair[1]),
@@ -131,6 +131,12 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
                        untied=untied)
     return _budgeted(table, plan)
+
+
+def _words(problems: Sequence[Any]) -> str:
+    """The first few mismatches in words (a Swin window's conditions come by the dozen)."""
+    text = "; ".join(str(p) for p in problems[:3])
+    return text + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
 
 
 def _small_sizes(problems: Sequence[Any]) -> bool:

@@ -26,6 +26,7 @@ from clika_runtime.guards.conditions import defined, render
 # graph serves a dynamic dim at these sizes only where it was traced at them (a ``Verified`` point).
 SPECIAL_BELOW = 2
 NUMBER_PREFIX = "#"  # starts a lifted number's name where verified points record values by name
+_LONGEST = 240  # characters of one mismatch in words
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class Mismatch:
             "condition": f"a size condition the graph was traced under changed: {self.detail}",
             "special": f"{where}: size {self.got}, which the trace assumed away (sizes 0 and 1 get a trace of their own)",
         }[self.kind]
-        return text
+        return text if len(text) <= _LONGEST else text[:_LONGEST - 3] + "..."  # a ViT/Swin condition runs to KBs
 
 
 @dataclass(frozen=True)

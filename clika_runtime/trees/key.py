@@ -244,7 +244,7 @@ def closest(candidates: Sequence[Described], key: CallKey) -> Described | None:
 def explain(old: Described, new: Described) -> str:
     """Why ``new`` is a different key from ``old``, in words: the first difference found."""
     if old.key.structure != new.key.structure:
-        return f"new structure: {_structure_change(old.paths, new.paths)}"
+        return f"new structure: {_structure_change(old, new)}"
     if str(old.key.structure) != str(new.key.structure):
         return f"new structure: dict keys of another type ({old.key.structure} -> {new.key.structure})"
     if old.key.training != new.key.training:
@@ -258,15 +258,40 @@ def explain(old: Described, new: Described) -> str:
     return "new key"
 
 
-def _structure_change(old: Sequence[str], new: Sequence[str]) -> str:
-    appeared = [p for p in new if p not in old]
-    gone = [p for p in old if p not in new]
+def _structure_change(old: Described, new: Described) -> str:
+    appeared = [p for p in new.paths if p not in old.paths]
+    gone = [p for p in old.paths if p not in new.paths]
     parts = []
     if appeared:
         parts.append(f"{_listed(appeared)} appeared")
     if gone:
         parts.append(f"{_listed(gone)} gone")
-    return "; ".join(parts) or f"the inputs were rearranged: {_listed(old)} -> {_listed(new)}"
+    if parts:
+        return "; ".join(parts)
+    retyped = _retyped(old.key.structure, new.key.structure, 0)
+    if retyped is not None:  # the same leaves in other containers: f([a, b]) then f((a, b))
+        was, now, start, count = retyped
+        return f"a {was} became a {now} (holding {_listed(new.paths[start:start + count])})"
+    return f"the inputs were rearranged: {_listed(old.paths)} -> {_listed(new.paths)}"
+
+
+def _retyped(old: Any, new: Any, start: int) -> tuple[str, str, int, int] | None:
+    """The first container whose type differs between two specs with the same leaves: its old and
+    new type names, where its leaves start, and how many it holds."""
+    if old.type is not new.type:
+        return _type_name(old.type), _type_name(new.type), start, new.num_leaves
+    if old.num_children != new.num_children:
+        return None
+    for a, b in zip(old.children(), new.children()):
+        found = _retyped(a, b, start)
+        if found is not None:
+            return found
+        start += b.num_leaves
+    return None
+
+
+def _type_name(node_type: Any) -> str:
+    return "leaf" if node_type is None else node_type.__name__
 
 
 def _listed(paths: Sequence[str]) -> str:

@@ -56,6 +56,8 @@ def check_repository(model_folder: str | os.PathLike) -> list[str]:
     tritonclient is installed, else with ``pbtxt``'s reader.
     """
     folder = Path(model_folder)
+    if not (folder / CONFIG_FILE).is_file():
+        return [_not_a_model_folder(folder)]
     try:
         config = read_config(folder / CONFIG_FILE)
     except (OSError, ValueError) as e:
@@ -75,6 +77,17 @@ def check_repository(model_folder: str | os.PathLike) -> list[str]:
     return (problems + _stored_data_problems(proto, model.parent)
             + tensor_problems(_listed(tensors, config), config.max_batch_size) + _agreement_problems(config, tensors)
             + range_problems(proto, tensors, config.max_batch_size) + unenforced_problems(proto))
+
+
+def _not_a_model_folder(folder: Path) -> str:
+    """Why ``folder`` is no model folder, with what to pass instead (a repository's model folders)."""
+    if not folder.is_dir():
+        return f"{folder}: no such folder (expected a Triton model folder, holding {CONFIG_FILE})"
+    models = sorted(p.name for p in folder.iterdir() if (p / CONFIG_FILE).is_file())
+    if models:
+        shown = ", ".join(models[:5]) + (f" and {len(models) - 5} more" if len(models) > 5 else "")
+        return f"{folder}: a model repository, not a model folder: check one of its models ({shown})"
+    return f"{folder}: no {CONFIG_FILE} here (expected a Triton model folder)"
 
 
 def read_config(path: str | os.PathLike) -> TritonConfig:
