@@ -315,6 +315,35 @@ def test_trap_state_the_target_writes_itself_is_not_a_change_of_state():
     assert any("'last_batch' written by the target itself" in note for note in f.capture_notes)
 
 
+class HooksOnce(torch.nn.Module):
+    """Installs a hook on its child on its first call and keeps it, as transformers' output
+    recorders do for ``output_hidden_states``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if not self.fc._forward_hooks:
+            self.fc.register_forward_hook(lambda module, args, out: None)
+        return self.fc(x)
+
+
+def test_trap_hooks_the_target_installs_once_stay_watched_for_the_users_own():
+    # They were taken for state the target writes on every call: a capture note said so, and a
+    # hook the user added later on the same module was never seen.
+    model = HooksOnce().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        f(x)
+        f(x)
+        assert f.captures[0].hits == 1 and not f.capture_notes, f.capture_notes
+        model.fc.register_forward_hook(lambda module, args, out: out * 2)
+        torch.testing.assert_close(f(x), model(x))
+    assert f.recapture_reasons and "forward hooks" in f.recapture_reasons[-1], f.recapture_reasons
+
+
 class LazyMode(torch.nn.Module):
     """Fills in a default on its first call, as HF's classification heads do with
     ``config.problem_type``."""

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from clika_runtime.state.compare import Part, differences, reread, without, word
+from clika_runtime.state.compare import MODULE_PRIVATE, Part, differences, reread, without, word
 from clika_runtime.state.walk import parts_read
 
 _call = getattr(operator, "call", None) or (lambda f, x: f(x))  # operator.call: Python 3.11+
@@ -85,9 +85,13 @@ class Snapshot:
         the target, what the target writes itself (``self.last_batch = ...``). An entry that was
         ``None`` is not one: a default the first call fills in (``config.problem_type``) stays
         watched, for the user's own changes (a target that writes it on every call is found
-        writing it at its next eager call, which re-captures once)."""
+        writing it at its next eager call, which re-captures once). Nor are a module's hooks and
+        children: a target that adds them does so once (transformers' output recorders install
+        their hooks on the first call that asks for hidden states), and they stay watched from
+        what the call left, for the user's own."""
         return frozenset((part.name, key) for part in self.parts for key in differences(part)
-                         if not (key in part.keys and part.values[part.keys.index(key)] is None))
+                         if not (key in part.keys and part.values[part.keys.index(key)] is None)
+                         and key not in MODULE_PRIVATE)
 
 
 def _autocast_check() -> Callable[[], bool]:
