@@ -124,3 +124,30 @@ def test_trap_a_key_refused_for_its_weights_captures_again_once_they_are_convert
         f(x)
         torch.testing.assert_close(f(x), model(x))
     assert f.state is State.Compiled and f.captures[0].hits == 1 and not f.eager_keys
+
+
+class _MeanOverTime(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).mean(1)
+
+
+def test_trap_a_size_whose_graph_fails_serves_eagerly_alone_and_says_so():
+    # A length-0 graph disagrees with eager (onnxruntime's mean of nothing is 0, torch's NaN): the
+    # warning said the whole key served eagerly, and a later length 1 was never traced.
+    model = _MeanOverTime().eval()
+    f = cr.compile(model)
+    with torch.no_grad():
+        for length in (3, 5):
+            f(torch.randn(2, length, 4))
+        with pytest.warns(UserWarning, match=r"for calls with the key \(x: float32 on cpu, eval\) at "
+                                             r"x_dim1=0: capture failed"):
+            f(torch.randn(2, 0, 4))
+        for length in (0, 1, 6, 1):
+            x = torch.randn(2, length, 4)
+            torch.testing.assert_close(f(x), model(x), equal_nan=True)
+    assert list(f.eager_keys) == ["x: float32 on cpu, eval at x_dim1=0"]
+    assert f.state is State.Compiled and len(f.captures) == 2  # the general graph, length 1's

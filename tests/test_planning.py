@@ -139,7 +139,7 @@ def test_sizes_below_two_on_a_dynamic_axis_get_a_variant_traced_at_them():
     table = _table(_capture(first, [("x_dim0", 3)], dynamic=({0: None},)))
     plan = decide(table, _call(torch.ones(1, 3)), Options(), None)
     assert isinstance(plan, CapturePlan) and plan.variant and not plan.spends
-    assert plan.reason == "input 'x' axis 0: size 1, which the trace assumed away (sizes 0 and 1 get a trace of their own)"
+    assert plan.reason == "input 'x' axis 0: size 1, which the trace assumed away (torch.export traces dynamic sizes from 2)"
     assert plan.dynamic == ({},)  # axis 0 at size 1 goes static
 
 

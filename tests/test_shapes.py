@@ -341,3 +341,20 @@ def test_trap_an_all_zero_call_does_not_verify_a_flipped_branch():
         for _ in range(2):
             torch.testing.assert_close(f(torch.ones(1, 2)), torch.full((1, 2), 2.0))
         torch.testing.assert_close(f(torch.ones(7, 2)), torch.full((7, 2), 3.0))
+
+
+def test_trap_sizes_0_and_1_on_two_dynamic_axes_settle_instead_of_recapturing_for_good():
+    # Each combination of batch and length in {0/1, the rest} is a graph; with four kept per key
+    # and the oldest dropped first, the general graph went, the sweep drifted again every round
+    # and the budget ran out (Fallback) though every answer was right.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+    f = cr.compile(model)
+    with torch.no_grad():
+        for sweep in range(2):
+            if sweep:
+                captured = f.recapture_count
+            for batch in (2, 1, 3):
+                for length in (3, 0, 1, 2, 4, 5):
+                    x = torch.randn(batch, length, 4)
+                    torch.testing.assert_close(f(x), model(x))
+    assert f.state is State.Compiled and f.recapture_count == captured, f.recapture_reasons

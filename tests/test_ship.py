@@ -109,6 +109,9 @@ def test_load_rejects_a_changed_static_value_and_bad_inputs(shipped):
         served(np.zeros((5, 3), dtype=np.int64), extra={"scale": np.ones((5, 3), dtype=np.float32)})
     with pytest.raises(GraphInputError, match=r"extra\['scale'\]: missing"):
         served(tokens, extra={"other": scale})
+    # Size 0 on a dynamic axis: the trace assumed it away, and a shipped graph has no tracer to ask.
+    with pytest.raises(GraphInputError, match=r"input 'tokens' axis 1: size 0, which the trace assumed away"):
+        served(np.zeros((2, 0), dtype=np.int64), extra={"scale": np.ones((2, 0), dtype=np.float32)})
 
 
 def test_load_works_without_torch_optree_or_onnx(shipped):

@@ -355,8 +355,10 @@ def test_trap_a_size_branch_on_a_non_batch_dim_is_enforced_in_the_model_triton_s
         x = np.random.rand(*shape).astype(np.float32)
         np.testing.assert_allclose(_run(folder, x=x)[0], x * 2, rtol=1e-6)
     with pytest.raises(Exception, match=r"clika_runtime\.guard: the request's sizes are outside what the graph was "
-                                        r"traced for \(x\.shape\[1\] % 4 == 0\)"):
+                                        r"traced for \(x\.shape\[1\] % 4 == 0; every dynamic size >= 1\)"):
         _run(folder, x=np.ones((2, 10), np.float32))
+    with pytest.raises(Exception, match=r"clika_runtime\.guard: "):  # size 0: assumed away by the trace
+        _run(folder, x=np.ones((0, 8), np.float32))
     assert check_repository(folder) == []
 
 
@@ -381,8 +383,8 @@ def test_check_repository_flags_a_model_without_its_guard(widths, tmp_path):
     folder = widths.to_triton(tmp_path / "repo")
     widths.save(folder / "1" / "model.onnx")  # the graph as captured, over the written one
     (problem,) = check_repository(folder)
-    assert problem.startswith("the graph's guard is not in the model (x.shape[1] % 4 == 0): Triton does not check "
-                              "it"), problem
+    assert problem.startswith("the graph's guard is not in the model (x.shape[1] % 4 == 0; every dynamic size >= 1): "
+                              "Triton does not check it"), problem
 
 
 # ------------------------------------------------------------------------------------- external data

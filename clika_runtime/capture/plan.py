@@ -141,6 +141,7 @@ class CapturePlan:
     variant: bool = False
     untied: frozenset[frozenset[tuple[str, int]]] = frozenset()
     spends: bool = True  # counts against config.recapture_limit (see CacheTable.spent)
+    point: Any = None  # a variant's sizes (a guards.Verified) beside the graph it is traced for: what a failure refuses
     ties: tuple[tuple[tuple[int, int], ...], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:

@@ -88,20 +88,26 @@ class Fallbacks:
                 warnings.warn(f"clika_runtime: {name} serves eagerly until reset(): {why}", stacklevel=_user_level())
         return result()
 
-    def _refuse(self, call: Call, why: str, generation: int, result: Callable[[], Any]) -> Any:
+    def _refuse(self, call: Call, why: str, generation: int, result: Callable[[], Any], point: Any = None) -> Any:
         """This call's key serves eagerly until ``reset()``, with a warning that says why; the
-        other keys keep capturing (torch.compile falls back per frame). ``fullgraph=True`` raises."""
+        other keys keep capturing (torch.compile falls back per frame). A variant's failure
+        (``point``: the sizes it was traced for, beside a graph that serves the key's others)
+        refuses those sizes only. ``fullgraph=True`` raises."""
         name = self.target.name
         if self.target.fullgraph:
             raise CaptureError(f"{name}: {why}") from None
+        refused = call.key if point is None else (call.key, point)
         with self.lock:
-            if self.table.generation == generation and call.key not in self.table.refused:
-                words = call.described.words()
-                self.table = with_refused(self.table, call.key, words, why,
+            if self.table.generation == generation and refused not in self.table.refused:
+                key = call.described.words()
+                at = "" if point is None else \
+                    " at " + (", ".join(f"{dim}={size}" for dim, size in point.sizes) or "its sizes")
+                self.table = with_refused(self.table, refused, key + at, why,
                                           weights.converted_watch(self.target.owner, self.target.fn))
-                logger.info("%s serves eagerly until reset(), for calls with the key %s: %s", name, words, why)
+                logger.info("%s serves eagerly until reset(), for calls with the key %s%s: %s", name, key, at, why)
+                others = "calls with other keys still capture" if point is None else "its other sizes are still served"
                 warnings.warn(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key "
-                              f"({words}): {why}; calls with other keys still capture", stacklevel=_user_level())
+                              f"({key}){at}: {why}; {others}", stacklevel=_user_level())
         return result()
 
     def _unkeyable(self, why: str) -> None:

@@ -155,7 +155,7 @@ class Lifecycle(Fallbacks):
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
             progress.ran, progress.out = True, out
             if mutated:
-                return self._refuse(plan.call, mutation(mutated), generation, lambda: out)
+                return self._refuse(plan.call, mutation(mutated), generation, lambda: out, plan.point)
         else:
             (out,) = eager
         with TARGETS.shared():
@@ -169,7 +169,7 @@ class Lifecycle(Fallbacks):
         except CaptureError as error:
             why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
                 if written and isinstance(error, VerificationError) else ""
-            return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out)
+            return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
         attempt.notes.extend(_unwatched(attempt.capture, written))
         self._said_precision(attempt.capture, attempt.notes)
         with self.lock:

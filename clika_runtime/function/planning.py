@@ -115,8 +115,11 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     declared = declared_axes(call, options)
     for capture, problems in found:
         if {p.kind for p in problems} <= VARIANT_KINDS:
+            point = capture.guard.point(call.feeds)
+            if (call.key, point) in table.refused:
+                return Eager()  # its variant failed: said when it did
             plan = CapturePlan(call, capture.dynamic, declared, _words(problems), variant=True,
-                               untied=table.knowledge.untied, spends=not _small_sizes(problems))
+                               untied=table.knowledge.untied, spends=not _small_sizes(problems), point=point)
             return _budgeted(table, plan)
     capture, problems = min(found, key=lambda pair: (sum(p.kind != "size" for p in pair[1]),
                                                      sum(p.kind == "size" for p in pair[1])))

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from clika_runtime.capture.value import Capture
 
 # Graphs kept per key for sizes on either side of a branch the trace took (`if seq == 1:`), and for
-# sizes 0/1 the dynamic graph does not handle, so calls alternating across them stop re-capturing.
-VARIANTS = 4
+# sizes 0/1, which get graphs of their own (two dynamic axes: nine combinations of 0, 1 and the
+# rest), so calls alternating across them stop re-capturing. Past it the least recently used goes.
+VARIANTS = 8
 
 
 class State(enum.Enum):
@@ -54,7 +55,8 @@ class CacheTable:
     ``pending_spends`` whether that capture spends the re-capture budget;
     ``refused``: keys whose capture failed (a training-mode call, a dtype onnxruntime cannot
     run, a call that mutates an input), each with the key in words and why: their calls serve
-    eagerly, the other keys keep capturing (``None``: calls that cannot be keyed at all);
+    eagerly, the other keys keep capturing (``None``: calls that cannot be keyed at all; a
+    ``(key, point)`` pair: the sizes whose variant failed, the key's other sizes still served);
     ``spent``: the re-captures that spent it (drift, a number that varies, a graph that failed,
     captures dropped or evicted before they served a call). New keys and weights or state that
     changed after their graph served are re-captures too (``recaptures``), but not spent:
@@ -75,7 +77,7 @@ class CacheTable:
     fallback_why: str | None = None
     pending: str | None = None
     pending_spends: bool = False
-    refused: Mapping[CallKey | None, tuple[str, str]] = field(default_factory=lambda: MappingProxyType({}))
+    refused: Mapping[Any, tuple[str, str]] = field(default_factory=lambda: MappingProxyType({}))  # see above
     refused_still: Callable[[], bool] = field(default=lambda: True)  # False once the weights were converted
     spent: tuple[str, ...] = ()
     last: Described | None = None  # the key of the last capture made (explains misses when none is cached)
@@ -116,7 +118,7 @@ def with_capture(
     others must have read the same)."""
     entries = dict(table.entries)
     kept = tuple(c for c in entries.pop(capture.key, ()) if c not in replaces)
-    entries[capture.key] = (kept + (capture,))[-VARIANTS:]
+    entries[capture.key] = _recent(kept, capture)
     spent = table.spent + ((reason,) if reason and spends else ())
     while len(entries) > max(1, limit):
         oldest = min(entries, key=lambda k: max(c.stats.last_use for c in entries[k]))
@@ -129,6 +131,15 @@ def with_capture(
         recaptures=table.recaptures + (reason is not None), reasons=table.reasons + ((reason,) if reason else ()),
         spent=spent, snapshot=snapshot,
     )
+
+
+def _recent(kept: tuple["Capture", ...], new: "Capture") -> tuple["Capture", ...]:
+    """A key's captures with ``new``, at most ``VARIANTS``: the least recently used go (the
+    general dynamic graph, which serves most calls, stays however old it is)."""
+    while len(kept) >= VARIANTS:
+        stalest = min(kept, key=lambda c: c.stats.last_use)
+        kept = tuple(c for c in kept if c is not stalest)
+    return kept + (new,)
 
 
 def without(table: CacheTable, dropped: Sequence["Capture"], pending: str | None, spends: bool | None = None) -> CacheTable:
@@ -152,7 +163,7 @@ def rewatched(table: CacheTable, snapshot: Snapshot | None = None) -> CacheTable
 REFUSED_KEPT = 64  # keys remembered as refused: past that, the oldest is tried again
 
 
-def with_refused(table: CacheTable, key: CallKey | None, words: str, why: str,
+def with_refused(table: CacheTable, key: Any, words: str, why: str,
                  still: Callable[[], bool] | None = None) -> CacheTable:
     """``table`` with ``key``'s calls (``words``) served eagerly from now on, for ``why``: until
     ``reset()``, or until ``still()`` turns False (the weights were converted: tried again)."""

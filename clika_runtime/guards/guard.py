@@ -24,7 +24,11 @@ from clika_runtime.guards.conditions import defined, render
 
 # Sizes 0 and 1 are where tracers assume most (broadcasting, 0/1 specialisation): in process, a
 # graph serves a dynamic dim at these sizes only where it was traced at them (a ``Verified`` point).
+# A shipped graph has no tracer to ask: it refuses size 0 (empty requests are no traffic worth a
+# risk: a mean of nothing is NaN in torch, 0 in onnxruntime) and serves size 1, which Triton's
+# batches of one and single requests need (docs/DEPLOY.md says what that leaves).
 SPECIAL_BELOW = 2
+SHIPPED_BELOW = 1
 NUMBER_PREFIX = "#"  # starts a lifted number's name where verified points record values by name
 _LONGEST = 240  # characters of one mismatch in words
 
@@ -79,7 +83,7 @@ class Mismatch:
             "range": f"{where}: size {self.got} outside the graph's range {self.expected}",
             "number": f"{where} = {self.got}: outside the graph's range {self.expected}",
             "condition": f"a size condition the graph was traced under changed: {self.detail}",
-            "special": f"{where}: size {self.got}, which the trace assumed away (sizes 0 and 1 get a trace of their own)",
+            "special": f"{where}: size {self.got}, which the trace assumed away (torch.export traces dynamic sizes from 2)",
         }[self.kind]
         return text if len(text) <= _LONGEST else text[:_LONGEST - 3] + "..."  # a ViT/Swin condition runs to KBs
 
@@ -249,14 +253,14 @@ class Guard:
                            f"{expected}, now {now}")
 
     def _unusual(self, sizes: dict[str, int]) -> dict[str, int]:
-        """Dims whose size the graph was not traced for: outside their range, or (in process)
-        below 2 (see ``verify_small``)."""
+        """Dims whose size the graph was not traced for: outside their range, or below 2 in
+        process and 0 shipped (see ``verify_small``)."""
         unusual = {}
         for name, size in sizes.items():
             if name.startswith(NUMBER_PREFIX):
                 continue
             lo, hi = self._bounds.get(name, (0, None))
-            if size < lo or (hi is not None and size > hi) or (self.verify_small and size < SPECIAL_BELOW):
+            if size < lo or (hi is not None and size > hi) or size < (SPECIAL_BELOW if self.verify_small else SHIPPED_BELOW):
                 unusual[name] = size
         return unusual
 
@@ -320,7 +324,7 @@ def _dynamic_fits(guard: Guard) -> Callable[[Sequence[Any]], bool]:
         (len(rule.shape), accept, tuple((a, d) for a, d in enumerate(rule.shape) if type(d) is int),
          tuple((a, d) for a, d in enumerate(rule.shape) if type(d) is not int))
         for rule, accept in zip(guard.inputs, guard._accept))
-    smallest = SPECIAL_BELOW if guard.verify_small else 0
+    smallest = SPECIAL_BELOW if guard.verify_small else SHIPPED_BELOW
     names = {d for rule in guard.inputs for d in rule.shape if type(d) is not int}
     bounds = tuple((name, max(guard.bounds(name)[0], smallest), guard.bounds(name)[1]) for name in sorted(names))
     expected = tuple(value for _, value in guard.conditions)

@@ -21,7 +21,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from clika_runtime.guards.conditions import render
-from clika_runtime.guards.guard import NUMBER_PREFIX, Guard
+from clika_runtime.guards.guard import NUMBER_PREFIX, SHIPPED_BELOW, Guard
 
 PREFIX = "clika_runtime.guard"  # names of what this module adds: checker.py looks for it
 _COMPARE = {"eq": "Equal", "lt": "Less", "le": "LessOrEqual", "gt": "Greater", "ge": "GreaterOrEqual"}
@@ -58,12 +58,15 @@ def words(guard: Guard) -> str:
             if isinstance(dim, str):
                 spots.setdefault(dim, []).append(f"{rule.name}.shape[{axis}]")
     parts = [" == ".join(where) for where in spots.values() if len(where) > 1]
-    parts += [f"{spots[dim][0]} in [{lo}, {'inf' if hi is None else hi}]" for dim, lo, hi in guard.ranges if dim in spots]
+    parts += [f"{spots[dim][0]} in [{max(lo, SHIPPED_BELOW)}, {'inf' if hi is None else hi}]"
+              for dim, lo, hi in guard.ranges if dim in spots]
     for tree, expected in guard.conditions:
         text = render(tree, names)
         parts.append(text if expected is True else f"not ({text})" if expected is False else f"{text} == {expected}")
     parts += [f"{rule.name} in [{rule.number[0]}, {'inf' if rule.number[1] is None else rule.number[1]}]"
               for rule in guard.inputs if rule.shape is None and rule.number is not None]
+    if spots:
+        parts.append(f"every dynamic size >= {SHIPPED_BELOW}")
     return "; ".join(parts)
 
 
@@ -85,7 +88,8 @@ class _Builder:
         """The name of a bool [1] that is True exactly when the guard accepts the inputs, or
         ``None`` when there is nothing to check."""
         always = self._equal_dims() + self._numbers()
-        traced = [self._range(dim, lo, hi) for dim, lo, hi in self.guard.ranges if dim in self._dims]
+        ranges = {dim: (lo, hi) for dim, lo, hi in self.guard.ranges if dim in self._dims}
+        traced = [self._range(dim, *ranges.get(dim, (0, None))) for dim in self._dims]  # lowest: SHIPPED_BELOW
         traced += [self._condition(tree, expected) for tree, expected in self.guard.conditions]
         points = [self._point(point) for point in self.guard.verified]
         if not always and not traced:
@@ -119,7 +123,7 @@ class _Builder:
 
     def _range(self, dim: str, lo: int, hi: int | None) -> str:
         size = self._size(*self._dims[dim][0])
-        low = self._op("GreaterOrEqual", size, self._const(lo))
+        low = self._op("GreaterOrEqual", size, self._const(max(lo, SHIPPED_BELOW)))
         return low if hi is None else self._op("And", low, self._op("LessOrEqual", size, self._const(hi)))
 
     def _condition(self, tree: tuple, expected: Any) -> str:
@@ -140,7 +144,8 @@ class _Builder:
                 else self._size(*self._dims[dim][0])
             checks.append(self._op("Equal", value, self._const(size)))
         checks += [self._condition(tree, outcome) for (tree, _), outcome in zip(self.guard.conditions, point.outcomes)]
-        checks += [self._range(dim, lo, hi) for dim, lo, hi in self.guard.ranges if dim in self._dims and dim not in listed]
+        ranges = {dim: (lo, hi) for dim, lo, hi in self.guard.ranges}
+        checks += [self._range(dim, *ranges.get(dim, (0, None))) for dim in self._dims if dim not in listed]
         return self._all(checks) or self._const(True)
 
     # ------------------------------------------------------------------------------- the trees
