@@ -67,7 +67,7 @@ def words(guard: Guard) -> str:
               for rule in guard.inputs if rule.shape is None and rule.number is not None]
     if spots:
         parts.append(f"every dynamic size >= {SHIPPED_BELOW}")
-    return "; ".join(parts)
+    return "; ".join(dict.fromkeys(parts))  # the exporter records one condition more than once at times
 
 
 class _Builder:
