@@ -2,7 +2,7 @@
 
 Triton reads only the config: a dynamic dim is ``-1``, any size. The guard a capture recorded
 (dims that must be equal, the exporter's ranges, the size conditions the trace branched on, the
-range of a lifted number) would go unchecked, and a request outside it would be served the side of
+range of a lifted number, no size 0 on a dynamic dim: ``guard.SHIPPED_BELOW``) would go unchecked, and a request outside it would be served the side of
 a branch its sizes do not take (``x * 2 if x.shape[1] % 4 == 0 else x * 3``, captured at widths 8
 and 12, asked at 10). So the written model computes the guard from its inputs' shapes, in a few
 int64 ops on one-element tensors, ending in a node named after the guard that fails unless it
@@ -30,7 +30,7 @@ _NAME_CHARS = 400  # of the guard's text in the failing node's name (onnxruntime
 
 
 def enforced(model_proto: Any, guard: Guard) -> Any:
-    """A copy of ``model_proto`` whose outputs fail unless ``guard`` holds for its inputs; the
+    """A copy of ``model_proto`` that fails, naming ``guard``, on inputs the guard refuses; the
     model itself when the guard asks nothing Triton's config does not (static dims only)."""
     builder = _Builder(guard)
     ok = builder.holds()
