@@ -61,6 +61,15 @@ def test_trap_a_list_passed_again_as_a_tuple_says_so():
     assert f.recapture_reasons == ["new structure: a list became a tuple (holding 'xs_0', 'xs_1')"]
 
 
+def test_trap_a_tensor_argument_left_out_is_named_not_its_neighbour():
+    # mask went from a tensor to None; the reason blamed 'labels' (the static values, compared by
+    # position, had shifted by one).
+    f = cr.compile(lambda x, mask=None, labels=None, use_cache=None: x * 2 if mask is None else x * mask)
+    f(torch.ones(2, 4), mask=torch.ones(2, 4), use_cache=True)
+    f(torch.ones(2, 4), use_cache=True)
+    assert f.recapture_reasons == ["input 'mask' changed: a float32 tensor -> None"]
+
+
 def test_a_float_that_varies_on_every_call_is_told_to_come_as_a_tensor(monkeypatch):
     monkeypatch.setattr(cr.config, "recapture_limit", 2)
     f = cr.compile(lambda x, sigma: x * sigma)

@@ -249,12 +249,20 @@ def explain(old: Described, new: Described) -> str:
         return f"new structure: dict keys of another type ({old.key.structure} -> {new.key.structure})"
     if old.key.training != new.key.training:
         return f"module training flag changed: {old.key.training} -> {new.key.training}"
-    for name, a, b in zip(new.static_names, old.key.statics, new.key.statics):
-        if a != b:
-            return f"static value changed: '{name}' {_value(a)} -> {_value(b)}"
-    for name, a, b in zip(new.tensor_names, old.key.tensors, new.key.tensors):
-        if a != b:
-            return f"input '{name}' changed: {_meta(a)} -> {_meta(b)}"
+    # By name: a leaf that was a tensor and is now static (mask=None) shifts the others' positions.
+    old_statics, new_statics = dict(zip(old.static_names, old.key.statics)), dict(zip(new.static_names, new.key.statics))
+    old_tensors, new_tensors = dict(zip(old.tensor_names, old.key.tensors)), dict(zip(new.tensor_names, new.key.tensors))
+    for name in new.paths:
+        if name in old_tensors and name in new_statics:
+            return f"input '{name}' changed: a {_dtype(old_tensors[name])} tensor -> {_value(new_statics[name])}"
+        if name in old_statics and name in new_tensors:
+            return f"input '{name}' changed: {_value(old_statics[name])} -> a {_dtype(new_tensors[name])} tensor"
+    for name, b in new_statics.items():
+        if name in old_statics and old_statics[name] != b:
+            return f"static value changed: '{name}' {_value(old_statics[name])} -> {_value(b)}"
+    for name, b in new_tensors.items():
+        if name in old_tensors and old_tensors[name] != b:
+            return f"input '{name}' changed: {_meta(old_tensors[name])} -> {_meta(b)}"
     return "new key"
 
 
@@ -311,6 +319,10 @@ def _value(static: Any) -> str:
 def _short(value: Any) -> str:
     text = repr(value[1] if isinstance(value, tuple) and len(value) == 2 else value)
     return text if len(text) < 80 else text[:77] + "..."
+
+
+def _dtype(meta: tuple) -> str:
+    return str(meta[0]).replace("torch.", "")
 
 
 def _meta(meta: tuple) -> str:
