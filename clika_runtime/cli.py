@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check, load and run a graph at several sizes; exit 1 on failure")
     p.add_argument("model", help="a .onnx file, or a Triton model folder (one holding config.pbtxt)")
     p.add_argument("--reference", help=".npz of arrays named after graph inputs and outputs")
-    p.add_argument("--dims", nargs="*", default=[], metavar="NAME=1,8,32", help="sizes per dynamic dim")
+    p.add_argument("--dims", nargs="*", action="extend", default=[], metavar="NAME=1,8,32",
+                   help="sizes per dynamic dim (the flag may repeat)")
     p.add_argument("--place", default="cpu")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-5)
@@ -198,15 +199,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _parse_dims(items: Sequence[str]) -> dict[str, list[int]]:
-    dims = {}
+    dims: dict[str, list[int]] = {}
     for item in items:
         name, _, values = item.partition("=")
         try:
-            dims[name] = [int(v) for v in values.split(",") if v]
+            sizes = [int(v) for v in values.split(",") if v]
         except ValueError:
             raise ValueError(f"--dims {item!r}: expected NAME=1,8,32") from None
-        if not name or not dims[name]:
+        if not name or not sizes:
             raise ValueError(f"--dims {item!r}: expected NAME=1,8,32")
+        if name in dims:
+            raise ValueError(f"--dims: {name} given twice ({','.join(map(str, dims[name]))} and {values}); "
+                             f"give its sizes once: {name}=1,8,32")
+        dims[name] = sizes
     return dims
 
 

@@ -244,6 +244,22 @@ def test_shipped_decode_loop_runs_torch_free(gpt2, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), expected.logits.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_trap_validate_passes_a_decode_graph_whose_lengths_go_together(gpt2, tmp_path):
+    # (Before test_decode_graph_names_and_dims, whose take_graph() ends the captures.)
+    # Its guard holds total == past + 1: the default sizes varied the two apart and every one was
+    # refused ("every size tried is outside the graph's guard"), so a CI gate on it was always red;
+    # asked sizes that only run together failed as well.
+    from clika_runtime.shipped.validation import validate_graph
+
+    path = _decode_graph(gpt2.f).save(tmp_path / "decode.onnx")
+    report = validate_graph(path)
+    assert report.passed, report.table()
+    asked = validate_graph(path, dims={"total_sequence_length": [7, 10], "past_sequence_length": [6, 9]})
+    assert asked.passed, asked.table()
+    never = validate_graph(path, dims={"total_sequence_length": [7], "past_sequence_length": [9]})
+    assert not never.passed and "runs at past_sequence_length=9" in never.table(), never.table()
+
+
 def test_decode_graph_names_and_dims(gpt2):
     graph = _decode_graph(gpt2.f)
     layers = len(gpt2.model.transformer.h)
@@ -329,3 +345,4 @@ def test_a_cache_that_grows_its_layers_and_a_tuple_output():
     assert out[1] is fresh and [type(layer) for layer in fresh.layers] == [type(layer) for layer in ref_fresh.layers]
     _assert_same_cache(fresh, ref_fresh)
     assert f.state is cr.CompiledFunction.State.Compiled and len(f.captures) <= 4, f.recapture_reasons
+

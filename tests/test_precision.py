@@ -362,3 +362,16 @@ def test_the_int8_graph_is_laid_out_for_onnxruntimes_fast_kernels(bert_int8, tmp
     optimized = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
     assert "SkipLayerNormalization" not in optimized and optimized.count("LayerNormalization") == 5
     assert optimized.count("Transpose") == 4 * 2 and "Mul" not in optimized  # as Optimum's export, less its scalings
+
+
+@pytest.mark.parametrize("scale, agrees", [(1.0, True), (1.02, True), (100.0, False), (0.5, False)])
+def test_trap_cosine_alone_cannot_tell_a_scaled_output(scale, agrees):
+    # A reference 100 times too large passed validation of an int8 graph: cosine ignores scale.
+    # The norms must agree too, as closely as the cosine asked for allows (sqrt(2 * (1 - cosine))).
+    from clika_runtime.base.precision import measure
+
+    reference = np.random.default_rng(0).standard_normal((4, 16))
+    problem = cr.Agreement().problem(measure("logits", reference, reference * scale))
+    assert (problem is None) == agrees, problem
+    if not agrees:
+        assert problem.startswith(f"output 'logits': norm {scale:.4g}x the reference's"), problem

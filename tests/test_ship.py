@@ -233,6 +233,11 @@ def test_cli_validate_passes_fails_and_rejects_unknown_dims(shipped, capsys, tmp
     assert "output 'pooled': max |diff| 1" in capsys.readouterr().out
     assert cli(["validate", str(path), "--dims", "seq=1,2"]) == 2
     assert "unknown dim name(s) ['seq']; this graph's dynamic dims are ['tokens_dim1']" in capsys.readouterr().err
+    # The flag repeats (each kept; it used to keep the last only), and a dim given twice is refused.
+    assert cli(["validate", str(path), "--dims", "tokens_dim1=5", "--dims", "seq=1"]) == 2
+    assert "unknown dim name(s) ['seq']" in capsys.readouterr().err
+    assert cli(["validate", str(path), "--dims", "tokens_dim1=5", "--dims", "tokens_dim1=7"]) == 2
+    assert "--dims: tokens_dim1 given twice (5 and 7)" in capsys.readouterr().err
 
 
 def test_cli_validate_reports_a_broken_graph(tmp_path, capsys):

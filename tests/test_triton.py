@@ -289,6 +289,10 @@ REFUSALS = {  # graph, options, the message (a regular expression)
     "negative batch": ("batched", {"max_batch_size": -1}, r"^max_batch_size: expected an int >= 0, got -1$"),
     "bool batch": ("batched", {"max_batch_size": True}, r"^max_batch_size: expected an int >= 0, got True$"),
     "kind": ("batched", {"kind": "tpu"}, r"^kind: expected 'cpu' or 'gpu', got 'tpu'$"),
+    "name with a newline": ("batched", {"name": "a\nb"}, r"^model name 'a\\nb': control characters .* e\.g\. 'a_b'$"),
+    "batching as a word": ("batched", {"max_batch_size": 4, "dynamic_batching": "yes"},
+                           r"^dynamic_batching: expected True or a dict with some of \['preferred_batch_size', "
+                           r"'max_queue_delay_microseconds'\], got 'yes'$"),
     "batch condition": ("even", {"max_batch_size": 8}, r"traced under a condition on its batch dim 'x_dim0' "
                         r"\(x\.shape\[0\] % 2 == 0\): requests batched together would change it; use max_batch_size=0"),
 }

@@ -10,6 +10,8 @@ must match exactly. NumPy only: shipped graphs are judged on boxes without torch
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
@@ -86,6 +88,12 @@ class Agreement:
         short = []
         if measured.cosine < self.cosine:
             short.append(f"cosine {measured.cosine:.5f} < {self.cosine}")
+        # Cosine is blind to scale: the norms must agree as closely as that cosine allows a
+        # difference of equal-norm vectors to be (relative error sqrt(2 * (1 - cosine))).
+        allowed = math.sqrt(2 * (1 - self.cosine))
+        if abs(measured.norm - 1) > allowed:
+            short.append(f"norm {measured.norm:.4g}x the reference's (cosine {self.cosine} allows "
+                         f"{1 - allowed:.3g}x to {1 + allowed:.3g}x)")
         if self.max_abs is not None and measured.max_abs > self.max_abs:
             short.append(f"max abs difference {measured.max_abs:.3g} > {self.max_abs}")
         if self.max_rel is not None and measured.max_rel > self.max_rel:
@@ -108,7 +116,8 @@ class Agreement:
 class Measured:
     """One output's agreement with its reference. ``exact`` is set for integer and bool outputs
     (whether they match); ``misplaced``: NaN or infinities where the reference has none;
-    ``top1``: the share of rows whose largest entry sits where the reference's does."""
+    ``top1``: the share of rows whose largest entry sits where the reference's does; ``norm``:
+    the output's norm over the reference's (cosine alone is blind to scale)."""
 
     name: str
     cosine: float = 1.0
@@ -117,6 +126,7 @@ class Measured:
     exact: bool | None = None
     misplaced: bool = False
     top1: float = 1.0
+    norm: float = 1.0  # the output's norm over the reference's
 
     def __str__(self) -> str:
         if self.exact is not None:
@@ -145,7 +155,14 @@ def measure(name: str, reference: Any, got: Any) -> Measured:
     difference = float(np.abs(out - ref).max())
     scale = float(np.abs(ref).max())
     return Measured(name, _cosine(ref, out), difference, difference / scale if scale else difference,
-                    misplaced=misplaced, top1=top1)
+                    misplaced=misplaced, top1=top1, norm=_norm_ratio(ref, out))
+
+
+def _norm_ratio(reference: np.ndarray, got: np.ndarray) -> float:
+    norm = float(np.linalg.norm(reference))
+    if norm == 0.0:  # an all-zero reference: agreement means zeros (the cosine says so too)
+        return 1.0 if not got.any() else math.inf
+    return float(np.linalg.norm(got)) / norm
 
 
 def _top1(reference: np.ndarray, got: np.ndarray) -> float:
@@ -194,7 +211,7 @@ class Record:
         measured = []
         for entry in value["measured"]:
             if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or \
-                    set(entry) - {"name", "cosine", "max_abs", "max_rel", "exact", "misplaced", "top1"} or \
+                    set(entry) - {"name", "cosine", "max_abs", "max_rel", "exact", "misplaced", "top1", "norm"} or \
                     not all(isinstance(v, (int, float)) for k, v in entry.items() if k != "name"):
                 raise ValueError(f"precision: malformed measured output {str(entry)[:80]}")
             measured.append(Measured(**entry))

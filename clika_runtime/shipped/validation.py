@@ -197,29 +197,36 @@ def _checked_session(path: Path, place: Any, report: Report) -> Any:
 
 def _run_sizes(session: Any, guard: Guard, where: str, dims: Mapping[str, Sequence[int]],
                rng: np.random.Generator, report: Report) -> None:
-    """Run the graph at sizes of each dynamic dim: ``dims`` where given (a size the guard refuses
-    fails), else sizes around the capture's example that the guard accepts; a pass must have run
-    the graph at least once."""
+    """Run the graph at sizes of each dynamic dim, from the capture's example (all its sizes
+    together), one dim at a time: ``dims`` where given, else sizes around the example. A
+    combination the guard refuses is skipped and logged; a size given in ``dims`` fails when no
+    combination with it could run, and a pass must have run the graph at least once."""
     graph_dims = _dim_names(session)
     unknown = sorted(set(dims) - set(graph_dims))
     if unknown:
         raise ValueError(f"--dims: unknown dim name(s) {unknown}; this graph's dynamic dims are {sorted(graph_dims)}")
     sizes = {name: _default_sizes(guard, name) for name in graph_dims}
     sizes.update({k: list(v) for k, v in dims.items()})
-    refused = []
-    for assignment in _assignments(sizes):
+    example = dict(guard.example)  # the capture's sizes together: a decoder's total == past + 1 holds there
+    base = {k: v[0] if k in dims or k not in example else example[k] for k, v in sizes.items()}
+    refused, ran = [], set()
+    for assignment in _assignments(sizes, base):
         label = ", ".join(f"{k}={v}" for k, v in assignment.items()) or "static shapes"
         feeds = generated_feeds(session, guard, assignment, rng)
         generated = all(v is not None for v in feeds.values())  # else _run_once reports what was not
         problem = guard.check([feeds[i.name] for i in session.get_inputs()]) if generated else None
-        if problem is not None and not any(k in dims for k in assignment):
-            refused.append(f"{label} ({problem})")  # a default size the graph's guard rules out: not run
-        elif problem is not None:
-            report.add(f"runs at {label}", False, f"outside the graph's guard: {problem}")
+        if problem is not None:
+            refused.append(f"{label} ({problem})")  # a combination the graph's guard rules out: not run
         else:
             report.add(f"runs at {label}", *_run_once(session, feeds, assignment))
+            ran.update(assignment.items())
+    for name, values in dims.items():  # a size asked for fails when no combination with it could run
+        for value in values:
+            if (name, value) not in ran:
+                report.add(f"runs at {name}={value}", False, "outside the graph's guard with every other size tried: "
+                           + "; ".join(r for r in refused if f"{name}={value}" in r.split(" (")[0].split(", ")))
     if refused:
-        logger.info("validate %s: default sizes outside the graph's guard, not run: %s", where, "; ".join(refused))
+        logger.info("validate %s: sizes outside the graph's guard, not run: %s", where, "; ".join(refused))
     if not any(c.name.startswith("runs at ") for c in report.checks):  # a pass must have run the graph
         report.add("runs at some size", False, f"every size tried is outside the graph's guard: {'; '.join(refused)}")
 
@@ -268,14 +275,13 @@ def _dim_names(session: Any) -> list[str]:
     return names
 
 
-def _assignments(sizes: Mapping[str, Sequence[int]]) -> list[dict[str, int]]:
-    """Each dim through its sizes with the others at their first size, then all at their last."""
+def _assignments(sizes: Mapping[str, Sequence[int]], base: Mapping[str, int]) -> list[dict[str, int]]:
+    """``base``, then each dim through its sizes with the others at ``base``, then all at their last."""
     if not sizes:
         return [{}]
-    base = {k: v[0] for k, v in sizes.items()}
     runs = [dict(base)]
     for name, values in sizes.items():
-        for v in values[1:]:
+        for v in values:
             runs.append({**base, name: v})
     runs.append({k: v[-1] for k, v in sizes.items()})
     unique = []

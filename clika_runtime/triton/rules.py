@@ -84,6 +84,9 @@ def name_problems(name: str) -> list[str]:
     if name in (".", "..") or "/" in name or "\0" in name:
         return [f"model name {name!r}: Triton needs one directory name (no '/', not '.' or '..'), "
                 f"e.g. {default_name(name)!r}"]
+    if not name.isprintable():  # a newline in a folder name and in config.pbtxt: no client can name it
+        return [f"model name {name!r}: control characters (a newline, a tab) make a name no client can "
+                f"send; e.g. {default_name(name)!r}"]
     return []
 
 

@@ -91,6 +91,9 @@ def _checked_options(
     if max_batch_size == 0:
         raise DeployError("dynamic_batching needs max_batch_size > 0: Triton's batcher forms batches of at most "
                           "that size")
+    if dynamic_batching is not True and not isinstance(dynamic_batching, Mapping):
+        raise DeployError(f"dynamic_batching: expected True or a dict with some of {list(_DYNAMIC_BATCHING_KEYS)}, "
+                          f"got {dynamic_batching!r}")
     settings = {} if dynamic_batching is True else dict(dynamic_batching)
     unknown = sorted(set(settings) - set(_DYNAMIC_BATCHING_KEYS))
     if unknown:
