@@ -9,6 +9,8 @@ from typing import Any, Sequence
 
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.format.interface import Port, interface
+from clika_runtime.guards.conditions import render
+from clika_runtime.guards.guard import SHIPPED_BELOW
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,8 @@ def _tensor_infos(ports: Sequence[Port]) -> tuple[TensorInfo, ...]:
 
 def guard_text(guard: Any) -> str:
     """What a guard adds to the dims, in words: ranges, size conditions, verified sizes 0/1."""
-    from clika_runtime.guards.conditions import render
-
-    parts = [f"{name} in [{lo}, {'inf' if hi is None else hi}]" for name, lo, hi in guard.ranges]
+    # A shipped graph serves no size 0 on a dynamic dim, whatever the exporter's range says.
+    parts = [f"{name} in [{max(lo, SHIPPED_BELOW)}, {'inf' if hi is None else hi}]" for name, lo, hi in guard.ranges]
     parts += [f"{render(tree, guard.names)} is {value}" for tree, value in guard.conditions]
     parts += [f"verified at {', '.join(f'{n}={s}' for n, s in point.sizes) or 'its branch'}" for point in guard.verified]
     return "; ".join(parts)
