@@ -216,7 +216,7 @@ def _run_sizes(session: Any, guard: Guard, where: str, dims: Mapping[str, Sequen
         generated = all(v is not None for v in feeds.values())  # else _run_once reports what was not
         problem = guard.check([feeds[i.name] for i in session.get_inputs()]) if generated else None
         if problem is not None:
-            refused.append(f"{label} ({problem})")  # a combination the graph's guard rules out: not run
+            refused.append((assignment, f"{label} ({problem})"))  # a combination the guard rules out: not run
         else:
             report.add(f"runs at {label}", *_run_once(session, feeds, assignment))
             ran.update(assignment.items())
@@ -224,11 +224,12 @@ def _run_sizes(session: Any, guard: Guard, where: str, dims: Mapping[str, Sequen
         for value in values:
             if (name, value) not in ran:
                 report.add(f"runs at {name}={value}", False, "outside the graph's guard with every other size tried: "
-                           + "; ".join(r for r in refused if f"{name}={value}" in r.split(" (")[0].split(", ")))
+                           + "; ".join(text for tried, text in refused if tried.get(name) == value))
+    said = "; ".join(text for _, text in refused)
     if refused:
-        logger.info("validate %s: sizes outside the graph's guard, not run: %s", where, "; ".join(refused))
+        logger.info("validate %s: sizes outside the graph's guard, not run: %s", where, said)
     if not any(c.name.startswith("runs at ") for c in report.checks):  # a pass must have run the graph
-        report.add("runs at some size", False, f"every size tried is outside the graph's guard: {'; '.join(refused)}")
+        report.add("runs at some size", False, f"every size tried is outside the graph's guard: {said}")
 
 
 def _check_triton_folder(folder: Path, report: Report) -> Path | None:
