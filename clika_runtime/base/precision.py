@@ -46,7 +46,8 @@ class Agreement:
 
     Attributes:
         cosine: the least cosine similarity of each floating-point output with the reference
-            (flattened); 0.999 by default.
+            (flattened); 0.999 by default. Cosine is blind to scale, so the output's norm must
+            also lie within ``sqrt(2 * (1 - cosine))`` of the reference's, relatively (4.5% at 0.999).
         max_abs: if set, the largest absolute difference allowed.
         max_rel: if set, the largest absolute difference allowed relative to the reference's
             largest magnitude.
