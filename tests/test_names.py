@@ -54,3 +54,15 @@ def test_wrong_number_of_output_names_is_a_clear_error():
     f = cr.compile(lambda x: (x + 1, x - 1), output_names=["only_one"], fullgraph=True)
     with pytest.raises(CaptureError, match=r"output_names: expected 2 names .*\['out_0', 'out_1'\].*got 1"):
         f(torch.ones(2))
+
+
+def test_trap_an_output_keyed_like_an_input_is_named_apart():
+    # {"x": x + 1} named the output "x" like the input: onnxruntime refused the graph ("Duplicate
+    # definition of name (x)") and the key served eagerly for good.
+    f = cr.compile(lambda x: {"x": x + 1})
+    x = torch.randn(3)
+    f(x)
+    out = f(x)
+    assert f.state is cr.CompiledFunction.State.Compiled and f.captures[0].hits == 1, f.fallback_reason
+    torch.testing.assert_close(out["x"], x + 1)
+    assert f.take_graph().output_names == ["x_out"]

@@ -184,7 +184,7 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
         plan=used, eager_out=out, folder=folder, guard=guard, graph_leaves=graph_leaves,
         constants={i: leaf for i, leaf in enumerate(leaves) if i not in graph_leaves},
         scalar_out={int(p): treedesc.SCALAR_TYPES[t] for p, t in meta["scalar_out"].items()},
-        names=capture_mod.output_names_of(out, leaves, target.output_names),
+        names=capture_mod.output_names_of(out, leaves, target.output_names, call.names),
         baked=tuple(baked), outputs=tuple(TensorInfo(n, d, tuple(s)) for n, d, s in meta["outputs"]), phases={},
         precision=target.precision, agreement=target.agreement_now(),
     )

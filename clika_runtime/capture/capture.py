@@ -81,7 +81,7 @@ def _build(
     eager_leaves, out_spec = trees.flatten(eager_out)
     hints.check_inputs(call.feeds, call.names)
     hints.check_outputs(eager_leaves)
-    names = output_names_of(eager_out, eager_leaves, output_names)
+    names = output_names_of(eager_out, eager_leaves, output_names, call.names)
     trace = _tracer(plan, target, forms)
     started = time.perf_counter()
     with exporting():  # also while looking up the baked tensors: no other export swaps them for fakes
@@ -134,22 +134,36 @@ def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> 
     return flat
 
 
-def output_names_of(eager_out: Any, eager_leaves: list[Any], given: Sequence[str] | None) -> list[str]:
+def output_names_of(eager_out: Any, eager_leaves: list[Any], given: Sequence[str] | None,
+                    inputs: Sequence[str]) -> list[str]:
     """A name per output leaf: the user's ``output_names`` for the leaves a graph computes, else
-    names from the output pytree's keys and paths."""
+    names from the output pytree's keys and paths, with ``_out`` added where one would be an
+    input's name (``return {"x": x + 1}``: ONNX names each value once)."""
     defaults = kvcache.renamed(trees.flatten(eager_out)[1], trees.output_names(eager_out, eager_leaves), kvcache.PRESENT)
+    taken = set(inputs)
+    defaults = [_free(name, taken) for name in defaults]
     if given is None:
-        return defaults
+        return trees.unique(defaults)
     computed = [i for i, leaf in enumerate(eager_leaves) if isinstance(leaf, (torch.Tensor, int, float))]
     if len(given) != len(computed):
         raise CaptureError(
             f"output_names: expected {len(computed)} names (one per computed output leaf: "
             f"{[defaults[i] for i in computed]}), got {len(given)}: {list(given)}"
         )
+    clashing = sorted(taken.intersection(given))
+    if clashing:
+        raise CaptureError(f"output_names: {clashing} already name graph inputs (the inputs are {list(inputs)}); "
+                           "ONNX names each value once: pick other names")
     names = list(defaults)
     for i, name in zip(computed, given):
         names[i] = name
     return trees.unique(names)
+
+
+def _free(name: str, taken: set[str]) -> str:
+    while name in taken:
+        name += "_out"
+    return name
 
 
 def _export(
