@@ -7,8 +7,6 @@ outside it (``lifecycle``), and swaps in the table that results. Nothing else li
 
 from __future__ import annotations
 
-import functools
-import inspect
 import threading
 from typing import Any, Callable, Generic, Mapping, ParamSpec, Sequence, TypeVar
 
@@ -149,16 +147,6 @@ class CompiledFunction(Copies, Generic[P, R]):
         return self._lifecycle.miss(args, kwargs)
 
     # --------------------------------------------------------------------------------- public state
-
-    @functools.cached_property
-    def __signature__(self) -> inspect.Signature:
-        """The target's signature, worked out once: transformers' ``generate`` asks for the
-        forward's on every step (``inspect.signature`` unwraps and rebuilds it each time, about
-        20 us), and the target's cannot change."""
-        try:
-            return inspect.signature(self.__wrapped__)
-        except (TypeError, ValueError) as e:  # no signature (a builtin): inspect's own fallbacks
-            raise AttributeError("__signature__") from e
 
     @property
     def state(self) -> State:
