@@ -13,7 +13,8 @@ softmax spreads such a row evenly over every key and the graph returns the mean 
 with a float mask of -inf its softmax returns NaN: other numbers than eager's either way. Ours
 zeroes exactly those rows after torchlib's attention, which keeps its pattern for the fusions,
 and drops the NaN zeroing torchlib puts after a boolean-masked softmax, which turned a NaN the
-inputs carried into zeros.
+inputs carried into zeros. With a boolean mask the zeroing is a product with 0, which lets a NaN
+or inf through a hidden row where torch's zero weights times the values do.
 
 Max and min (``amax``, ``max(dim)``, ``min()``...), max pooling and ``argmax``/``argmin``: torch
 propagates a NaN (the max of a window holding one is NaN, argmax points at the first NaN);
@@ -60,18 +61,25 @@ def scaled_dot_product_attention(
 ) -> Any:
     """torchlib's attention; rows whose mask hides every key (all False, or all -inf in a float
     mask) are zeros, as in torch."""
-    out = nn.aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is None:
-        return out
-    _without_nan_zeroing(out)
+        return nn.aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                    enable_gqa)
     # Whether any key is visible to a query row: (..., L, 1), broadcast over heads and the value dim.
     if attn_mask.dtype == ir.DataType.BOOL:
-        best = op.ReduceMax(op.Cast(attn_mask, to=ir.DataType.FLOAT), op.Constant(value_ints=[-1]), keepdims=1)
-        visible = op.Cast(best, to=ir.DataType.BOOL)
-    else:  # an additive mask: a row of -inf hides everything (torchlib's softmax makes it NaN)
+        visible = op.ReduceMax(op.Cast(attn_mask, to=ir.DataType.FLOAT), op.Constant(value_ints=[-1]), keepdims=1)
+    else:  # an additive mask: a row of -inf hides everything
         best = op.ReduceMax(attn_mask, op.Constant(value_ints=[-1]), keepdims=1)
-        visible = op.Not(op.IsInf(best, detect_positive=0))
-    return op.Where(visible, out, op.CastLike(op.Constant(value_float=0.0), out))
+        visible = op.Cast(op.Not(op.IsInf(best, detect_positive=0)), to=ir.DataType.FLOAT)
+        # -inf as the dtype's lowest finite value, as torchlib writes a boolean mask: see below.
+        lowest = op.Constant(value=ir.tensor(query.dtype.min, dtype=query.dtype))
+        attn_mask = op.Where(op.IsInf(attn_mask, detect_positive=0), op.CastLike(lowest, attn_mask), attn_mask)
+    out = nn.aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    _without_nan_zeroing(out)
+    # A hidden score is the lowest finite value added, so a hidden row's weights are even and finite
+    # unless a score was NaN or +inf; times 0 its output is then torch's own, zero weights times
+    # the values: 0, NaN in a column holding a NaN or inf, NaN throughout when a score was. (A
+    # product also runs in a quarter of the time of a broadcast Where.)
+    return op.Mul(out, op.CastLike(visible, out))
 
 
 def _without_nan_zeroing(out: Any) -> None:

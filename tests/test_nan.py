@@ -136,3 +136,36 @@ def test_a_nan_through_masked_attention_comes_out_as_in_torch(boolean):
     assert f.captures[0].hits == 1
     assert expected[0, 0, 1].isnan().all() and (expected[0, :, 2] == 0).all()
     torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["boolean mask", "float mask"])
+def masked_attention(request):
+    f = cr.compile(MaskedAttention())
+    with torch.no_grad():
+        f(*_masked_inputs(request.param))
+    return f, request.param
+
+
+def _masked_inputs(boolean: bool) -> tuple[torch.Tensor, ...]:
+    q, k, v = (torch.randn(1, 2, 4 + (i > 0), 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = torch.ones(1, 1, 4, 5, dtype=torch.bool)
+    mask[..., 2, :] = False  # query row 2 sees no key
+    return q, k, v, mask if boolean else torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["value", "key", "hidden query"])
+def test_trap_a_nan_reaching_a_hidden_row_comes_out_as_in_torch(masked_attention, where, value):
+    """torch's hidden row is its zero weights times the values: a NaN or inf value makes its column
+    NaN, and a NaN key or hidden query makes the whole row NaN (the score is NaN before the mask
+    hides it). The served graph zeroed the row whatever it held."""
+    f, boolean = masked_attention
+    q, k, v, mask = _masked_inputs(boolean)
+    {"value": v[0, 1, 3], "key": k[0, 0, 1], "hidden query": q[0, 1, 2]}[where][5] = value
+    q[0, 0, 2, 5] = 1.0  # an infinite key's score with the hidden row is +inf: +inf plus the mask's -inf is NaN
+    with torch.no_grad():
+        hits = f.captures[0].hits
+        got, expected = f(q, k, v, mask), MaskedAttention()(q, k, v, mask)
+    assert f.captures[0].hits == hits + 1
+    assert expected[0, :, 2].isnan().any()
+    torch.testing.assert_close(got, expected, equal_nan=True)
