@@ -7,9 +7,9 @@ as int8 with one symmetric scale per output column, and ``MatMulInteger`` + ``Ca
 compute the product, which onnxruntime fuses into one kernel (``DynamicQuantizeMatMul``). This is
 U8S8 in the operator form, what onnxruntime recommends for transformers on x86 (S8S8 is slow
 there). U8S8 saturates on x86 CPUs without VNNI: there the weights take 7 bits (``weight_codes``),
-as onnxruntime's ``reduce_range`` does. Attention's products of two activations are
-quantized too (both sides per call), as Optimum's int8 does: at long sequences they are a third
-of the time left once the weights' products run in int8. Norms and softmax stay fp32. A ``Gemm``
+as onnxruntime's ``reduce_range`` does. Attention's products of two activations are quantized
+too (both sides per call) on a CPU whose fp32 kernels lack AVX-512 (``activation_products_pay``).
+Norms and softmax stay fp32. A ``Gemm``
 with a constant weight (a 2-D ``nn.Linear``) is rewritten as ``MatMul`` + ``Add`` first, and
 the graph is laid out so that onnxruntime keeps its fast kernels (``int8_layout``). The
 weights are quantized here, vectorised (onnxruntime's own quantizer loops over channels in
@@ -40,11 +40,15 @@ _TWO_GB = 2**31
 _VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")  # x86 flags of an int8 dot product that does not saturate
 
 
-def quantize_int8(source: str, target: str, per_channel: bool = True) -> int:
+def quantize_int8(source: str, target: str, per_channel: bool = True, activation_products: bool | None = None) -> int:
     """Write ``source``'s graph with its MatMuls in dynamic int8 to ``target``: those over a
-    constant weight, and those of two float32 activations (attention's), both sides quantized
-    per call. Returns how many were quantized (0: nothing to quantize, ``target`` not written)."""
+    constant weight, and with ``activation_products`` (by default where they pay on this CPU)
+    those of two float32 activations (attention's), both sides quantized per call. Returns how
+    many were quantized (0: nothing to quantize, ``target`` not written)."""
     import onnx
+
+    if activation_products is None:
+        activation_products = activation_products_pay()
 
     model = onnx.load(source)  # with its external data
     graph = model.graph
@@ -61,7 +65,7 @@ def quantize_int8(source: str, target: str, per_channel: bool = True) -> int:
     floats = {name for name, (elem_type, _) in types.items() if elem_type == onnx.TensorProto.FLOAT}
     for node in graph.node:
         weight = weights.get(node.input[1]) if node.op_type == "MatMul" and not node.domain else None
-        if weight is None and node.op_type == "MatMul" and not node.domain and \
+        if weight is None and activation_products and node.op_type == "MatMul" and not node.domain and \
                 all(name in floats and name not in weights for name in node.input):
             for name in node.input:
                 if name not in activations:
@@ -121,6 +125,18 @@ def _quantized_weight(graph: Any, weight: Any, per_channel: bool) -> tuple[str, 
 
 
 @functools.cache
+def activation_products_pay() -> bool:
+    """Whether attention's products of two activations run faster in int8 than in fp32 on this CPU:
+    on an x86 CPU without AVX-512. Measured (BERT-base, 2 threads, weights in int8 either way): on
+    an AVX2-only EPYC they were a third of the time left at sequence 512 and int8 cut it; on a Xeon
+    with AVX-512 and AMX the fp32 products are at the fp32 peak and the int8 ones, with the scores
+    quantized per call, ran slower at every size: BERT-base served in 0.24/0.25/0.35x eager's time
+    at (1, 128)/(8, 128)/(1, 512) with fp32 products, 0.33/0.27/0.38x with int8 ones. Off x86: fp32
+    (unmeasured; fewer quantized products keep more precision)."""
+    return _is_x86() and "avx512f" not in _cpu_flags()
+
+
+@functools.cache
 def weight_codes() -> int:
     """The largest int8 weight code (symmetric: -n..n): 127, or 63 on an x86 CPU without VNNI.
     There onnxruntime's uint8 x int8 kernel multiplies with ``vpmaddubsw``, which adds each pair of
@@ -128,14 +144,23 @@ def weight_codes() -> int:
     (onnxruntime's ``reduce_range``). Measured on an AVX2-only CPU: an MLP's int8 output agreed with
     fp32 at cosine 0.9916 with 8-bit weights, above 0.999 with 7-bit ones. An x86 machine whose
     flags cannot be read is taken to lack VNNI (7 bits cost a little precision, never a wrong sum)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
+    if not _is_x86():
         return 127  # ARM's int8 dot products accumulate in int32: no pair saturates
+    return 127 if any(flag in _cpu_flags() for flag in _VNNI) else 63
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (none where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as info:
-            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
     except OSError:
-        flags = []
-    return 127 if any(flag in flags for flag in _VNNI) else 63
+        return frozenset()
 
 
 def _quantized_activation(nodes: list[Any], name: str) -> tuple[str, str, str]:

@@ -359,9 +359,12 @@ def test_the_int8_graph_is_laid_out_for_onnxruntimes_fast_kernels(bert_int8, tmp
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(f.graphs()[0].model_proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    optimized = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    nodes = onnx.load(str(tmp_path / "optimized.onnx")).graph.node
+    optimized = [n.op_type for n in nodes]
     assert "SkipLayerNormalization" not in optimized and optimized.count("LayerNormalization") == 5
-    assert optimized.count("Transpose") == 4 * 2 and "Mul" not in optimized  # as Optimum's export, less its scalings
+    assert optimized.count("Transpose") == 4 * 2  # as Optimum's export
+    scalings = [n for n in nodes if n.op_type == "Mul" and not n.output[0].startswith("scaled_dot_product_attention")]
+    assert not scalings  # the only products left zero the rows a mask hides (exporters.translations)
 
 
 @pytest.mark.parametrize("scale, agrees", [(1.0, True), (1.02, True), (100.0, False), (0.5, False)])
@@ -375,3 +378,24 @@ def test_trap_cosine_alone_cannot_tell_a_scaled_output(scale, agrees):
     assert (problem is None) == agrees, problem
     if not agrees:
         assert problem.startswith(f"output 'logits': norm {scale:.4g}x the reference's"), problem
+
+
+def test_attention_products_run_in_int8_only_where_they_pay(bert_int8, tmp_path):
+    """Attention's products of two activations are quantized on a CPU without AVX-512 (measured
+    faster there) and left in fp32 on one with it (measured slower in int8); the weights' products
+    are int8 either way, and both graphs agree with the fp32 graph."""
+    from serving import quantize
+
+    _, f = bert_int8
+    source = str(f._lifecycle.table.captures[0].folder.model)
+    counts = {products: quantize.quantize_int8(source, str(tmp_path / f"{products}.onnx"), activation_products=products)
+              for products in (True, False)}
+    assert counts[True] == counts[False] + 4  # two layers: the scores and the weighted values each
+    served = f.graphs()[0].model_proto.graph
+    assert sum(node.op_type in QUANTIZED_OPS for node in served.node) == counts[quantize.activation_products_pay()]
+    ids = np.random.default_rng(0).integers(1, 200, (2, 16))
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    reference = ort.InferenceSession(source, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    for products in (True, False):
+        got = ort.InferenceSession(str(tmp_path / f"{products}.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        assert cosine(torch.from_numpy(got), torch.from_numpy(reference)) >= 0.999, products
