@@ -99,7 +99,7 @@ def _build(
     phases["save"] = time.perf_counter() - started
     if optimize:
         started = time.perf_counter()
-        fusing.fuse(exported, folder)
+        fusing.fuse(exported, folder, place)
         if exporters.model_bytes(exported) < fusing.MEASURED_BELOW:
             fusing.keep_if_faster(folder, place, call.names, call.feeds, config.session_threads())
         phases["fuse"] = time.perf_counter() - started

@@ -29,11 +29,12 @@ _MARGIN = 0.97  # the fused graph must run in under 97% of the portable one's ti
 _BUDGET_S = 0.3  # seconds of timing at most (at least three rounds)
 
 
-def fuse(exported: exporters.ExportedGraph, folder: graph_mod.GraphFolder) -> None:
-    """Write the graph with onnxruntime's fused kernels beside the portable one, when any apply.
-    A speed-up only: any failure of the rewriter leaves the portable graph to serve."""
+def fuse(exported: exporters.ExportedGraph, folder: graph_mod.GraphFolder, place: serving.Place) -> None:
+    """Write the graph with onnxruntime's fused kernels for ``place`` beside the portable one, when
+    any apply. A speed-up only: any failure of the rewriter leaves the portable graph to serve."""
     try:
-        made = exporters.save_fused(exported.model, str(folder.path / folder.FUSED))
+        made = exporters.save_fused(exported.model, str(folder.path / folder.FUSED),
+                                    for_cpu=place.primary == "CPUExecutionProvider")
     except Exception as e:  # the rewriter is not on the correctness path: never lose a capture to it
         logger.debug("no fused graph: %s: %s", type(e).__name__, first_line(e))
         folder.drop_fused()
