@@ -37,9 +37,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cache: Path, *args: str) -> str:
-    env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True, timeout=300, env=env)
+def _run(cache: Path, *args: str, root: Path = ROOT) -> str:
+    env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": str(cache), "PYTHONPATH": str(root)}
+    result = subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True, timeout=300, env=env,
+                            cwd=root)  # -c puts the working directory first on the path
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -50,6 +51,22 @@ def test_a_later_process_finds_the_graph_and_what_drift_taught(tmp_path):
     second = _run(tmp_path, "3", "7")  # a new process, first call at another size
     assert "'export'" not in second and second.endswith(" 0"), second  # found on disk, no re-capture
     assert "'export'" in _run(tmp_path, "3", "--other-weights")  # other weights: a miss
+
+
+@pytest.mark.slow
+def test_trap_a_graph_cached_by_other_code_of_the_same_version_is_not_served(tmp_path):
+    """A graph made by the library's own code, as it was: a fixed translation kept serving its
+    old graph from the cache after a `git pull` (the version string had not moved)."""
+    import shutil
+
+    for package in ("clika_runtime", "exporters", "serving"):
+        shutil.copytree(ROOT / package, tmp_path / "lib" / package, ignore=shutil.ignore_patterns("__pycache__"))
+    cache = tmp_path / "cache"
+    assert "'export'" in _run(cache, "2", root=tmp_path / "lib")
+    assert "'export'" not in _run(cache, "2", root=tmp_path / "lib")  # the same code: found on disk
+    with open(tmp_path / "lib" / "exporters" / "translations.py", "a") as source:
+        source.write("\n# edited\n")
+    assert "'export'" in _run(cache, "2", root=tmp_path / "lib")
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ A function's fingerprint covers its code (the target's function, or every submod
 ``forward`` with the module's plain attributes and config; the files that code is written in and
 the plain values of the globals it names), the content of its weights, buffers
 and closed-over tensors, the compile options, and the versions of the libraries that make the
-graph. A capture's fingerprint adds the call key and the plan (dynamic axes, tied axes, lifted
+graph (this library's own source included). A capture's fingerprint adds the call key and the plan (dynamic axes, tied axes, lifted
 numbers, the sizes of static axes). These are "as far as cheaply knowable": a cached graph is
 still verified against the first call's eager result before it serves anything.
 
@@ -24,9 +24,13 @@ import sys
 import types
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+
+import exporters
+import serving
 
 from clika_runtime.base.precision import FP32
 from clika_runtime.base.sharing import TARGETS
@@ -153,8 +157,21 @@ def forget(target: Target) -> None:
         _DIGESTS.pop(id(tensor), None)
 
 
+@functools.cache
+def _own_code() -> str:
+    """A digest of this library's source (clika_runtime, exporters, serving): a graph another state
+    of the code made (a checkout, an edited install, both at one version string) is not served.
+    Read once per process: about 120 files, a few milliseconds."""
+    digest = hashlib.sha256()
+    for folder in (Path(__file__).resolve().parents[1], Path(exporters.__file__).parent, Path(serving.__file__).parent):
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(str(path.relative_to(folder.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _versions() -> str:
-    versions = [f"clika_runtime {VERSION}", f"python {sys.version_info[:3]}"]
+    versions = [f"clika_runtime {VERSION} {_own_code()}", f"python {sys.version_info[:3]}"]
     for name in _LIBRARIES:
         try:
             versions.append(f"{name} {importlib.metadata.version(name)}")
