@@ -6,9 +6,9 @@ Plain data in, plain data out: this package knows nothing of clika_runtime or se
 from exporters.dynamo import (
     DrawsRandom, ExportedGraph, Uncapturable, WritesState, export_graph, model_bytes, outputs, save,
 )
-from exporters.fusion import save_fused, save_fused_copy
+from exporters.fusion import save_fused
 
 __all__ = [
     "DrawsRandom", "ExportedGraph", "Uncapturable", "WritesState", "export_graph", "model_bytes", "outputs", "save",
-    "save_fused", "save_fused_copy",
+    "save_fused",
 ]

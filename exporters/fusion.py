@@ -64,12 +64,6 @@ def save_fused(model: ir.Model, path: str, for_cpu: bool = True) -> dict[str, in
     return made
 
 
-def save_fused_copy(source: str, path: str, for_cpu: bool = True) -> dict[str, int]:
-    """``save_fused`` of the graph in the file ``source`` (a graph derived from the export, such
-    as its int8 copy), written to ``path``; ``source`` is left as it is."""
-    return save_fused(ir.load(source), path, for_cpu)
-
-
 def residual_adds_as_sums(model: ir.Model) -> int:
     """Write each ``Add`` of two computed values read only as a ``LayerNormalization``'s input as
     ``Sum`` (the same values), which neither the rewriter nor onnxruntime fuses into

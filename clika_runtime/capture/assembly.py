@@ -80,7 +80,7 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
                        tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner)
     stats = Stats(phases=made.phases)
     run, flat = closures.closures(parts, made.guard, call.key, call.positions, stats)
-    reduced = made.precision != FP32 and made.folder.serves_reduced
+    reduced = made.precision != FP32 and made.folder.opened == made.folder.reduced
     capture = Capture(
         key=call.key, described=call.described, names=call.names, positions=call.positions,
         dynamic=tuple(dict(d) for d in made.plan.dynamic), guard=made.guard, example=examples(feeds),
@@ -123,7 +123,7 @@ def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: b
             except Exception as e:  # a derived graph onnxruntime does not take: serve the one it came from
                 logger.debug("onnxruntime refused %s, serving the graph it was made from: %s", folder.opened.name,
                              first_line(e))
-                folder.drop_reduced_fused() or folder.drop_reduced() or folder.drop_fused()
+                folder.drop_reduced() or folder.drop_fused()
         return opened(folder.model, optimize, keep)
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
         raise CaptureError(f"onnxruntime could not load the exported graph: {first_line(e)}") from e

@@ -188,15 +188,13 @@ EXTERNAL_ABOVE = 16 * 2**20
 class GraphFolder:
     """A model written to its own temporary folder (``model.onnx``, and ``model.onnx.data`` when
     its weights are large; ``served.onnx`` beside it when onnxruntime's fused kernels apply;
-    ``reduced.onnx`` when the graph serves at reduced precision, and ``reduced-served.onnx``, that
-    graph with onnxruntime's fused kernels: capture/reducing.py),
+    ``reduced.onnx`` when the graph serves at reduced precision: capture/reducing.py),
     removed when the last reference to the folder goes. Captures keep their graphs here instead
     of in memory; sessions open the files."""
 
     MODEL = "model.onnx"
     FUSED = "served.onnx"  # the graph with onnxruntime's fused kernels, when any apply (exporters.fusion)
     REDUCED = "reduced.onnx"  # the graph at reduced precision (int8, fp16), when one was asked for and agrees
-    REDUCED_FUSED = "reduced-served.onnx"  # the int8 graph with onnxruntime's fused kernels (CPU)
     _OPTIMIZED = "optimized-"
 
     def __init__(self, parent: str | os.PathLike | None = None) -> None:
@@ -226,27 +224,16 @@ class GraphFolder:
 
     @property
     def opened(self) -> Path:
-        """The graph sessions open: the reduced-precision graph (fused, else portable), else the
-        fused graph, else the model."""
-        for name in (self.REDUCED_FUSED, self.REDUCED, self.FUSED):
+        """The graph sessions open: the reduced-precision graph, else the fused graph, else the model."""
+        for name in (self.REDUCED, self.FUSED):
             if (self.path / name).is_file():
                 return self.path / name
         return self.model
 
     @property
     def reduced(self) -> Path:
-        """Where the reduced-precision graph is (or goes): the one a capture hands out."""
+        """Where the reduced-precision graph is (or goes)."""
         return self.path / self.REDUCED
-
-    @property
-    def reduced_fused(self) -> Path:
-        """Where the reduced-precision graph with onnxruntime's fused kernels is (or goes)."""
-        return self.path / self.REDUCED_FUSED
-
-    @property
-    def serves_reduced(self) -> bool:
-        """Whether sessions open a reduced-precision graph."""
-        return self.opened in (self.reduced, self.reduced_fused)
 
     def optimized(self, machine: str) -> Path:
         """Where onnxruntime's optimised model for ``machine`` (``serving.machine_tag``) is kept."""
@@ -257,12 +244,8 @@ class GraphFolder:
         return self._drop(self.FUSED)
 
     def drop_reduced(self) -> bool:
-        """Remove the reduced-precision graphs and what onnxruntime made of them; whether there was one."""
-        return self._drop(self.REDUCED_FUSED) | self._drop(self.REDUCED)
-
-    def drop_reduced_fused(self) -> bool:
-        """Remove the fused reduced-precision graph (the portable one serves); whether there was one."""
-        return self._drop(self.REDUCED_FUSED)
+        """Remove the reduced-precision graph and what onnxruntime made of it; whether there was one."""
+        return self._drop(self.REDUCED)
 
     def _drop(self, name: str) -> bool:
         graph = self.path / name
