@@ -1,14 +1,15 @@
 """Precision: reduced-precision serving against what a user would pick instead, one process per model.
 
-    python scripts/bench_precision.py [--models bert_base roberta_base cnn] [--rounds 7] [--threads 2]
+    python scripts/bench_precision.py [--models bert_base roberta_base cnn] [--rounds 7] [--threads 2] [--block-s 0]
                                       [--optimum DIR] [--save-models DIR]
 
 For each model (random weights from its default config): eager fp32, eager under bf16 autocast,
 torch's dynamic int8 (``quantize_dynamic`` of every ``nn.Linear``), and clika_runtime served at
 fp32 and at int8 (``precision="int8"``), at (batch, sequence) (1, 128), (8, 128) and (1, 512)
 (the CNN at batch 1 and 16). Each figure is the median over interleaved rounds (every variant
-once per round, in shuffled order), as a ratio to eager fp32 within the round; agreement is the
-cosine similarity of the first output with eager fp32's. Targets (issue 24): int8 served <=
+once per round, in shuffled order; with ``--block-s``, a block of calls lasting about that
+long), as a ratio to eager fp32 within the round; agreement is the cosine similarity of the
+first output with eager fp32's. Targets (issue 24): int8 served <=
 0.33x eager at every point of the transformers, fp32 served <= 1.0x.
 
 Optimum's int8 as a peer, in the same process: ``--save-models DIR`` writes the transformers with
@@ -140,20 +141,22 @@ def model_of(name: str) -> torch.nn.Module:
     return MODELS[name]().eval()
 
 
-def bench(name: str, rounds: int, optimum: Path | None, threads: int) -> list[str]:
+def bench(name: str, rounds: int, optimum: Path | None, threads: int, block_s: float) -> list[str]:
     model = model_of(name)
     verdicts = []
     with torch.inference_mode():
         runs = variants(name, model, optimum, threads)
         shapes = ((1, 0), (16, 0)) if name == "cnn" else SHAPES
-        print(f"\n{name}: ratio to eager fp32 (median of {rounds} interleaved rounds), cosine with eager fp32")
+        each = f"blocks of about {block_s} s" if block_s else "one call"
+        print(f"\n{name}: ratio to eager fp32 (median of {rounds} interleaved rounds of {each} per variant), "
+              "cosine with eager fp32")
         for shape in shapes:
             inputs = inputs_for(name, shape)
             for run in runs.values():  # a size new to a graph is checked against eager on its first call
                 run(inputs)
             reference = runs["eager"](inputs)
             agreement = {v: cosine(run(inputs), reference) for v, run in runs.items()}
-            samples = measure({v: (lambda run=run: run(inputs)) for v, run in runs.items()}, rounds, 0.0, warmup=1)
+            samples = measure({v: (lambda run=run: run(inputs)) for v, run in runs.items()}, rounds, block_s, warmup=1)
             ratios = {v: statistics.median(x / e for x, e in zip(samples[v], samples["eager"])) for v in runs}
             label = f"batch {shape[0]}" if name == "cnn" else f"({shape[0]}, {shape[1]})"
             eager_ms = statistics.median(samples["eager"]) / 1e3
@@ -172,6 +175,8 @@ def main() -> int:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--block-s", type=float, default=0.0,
+                        help="time each variant in blocks of about this many seconds (default: one call)")
     parser.add_argument("--optimum", type=Path, help="a folder of Optimum's int8 graphs (scripts/optimum_int8.py)")
     parser.add_argument("--save-models", type=Path, help="write the transformers measured here, for optimum_int8.py")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the model this process measures
@@ -183,12 +188,12 @@ def main() -> int:
             model_of(name).save_pretrained(args.save_models / name)
         return 0
     if args.one:
-        print("\n".join(bench(args.one, args.rounds, args.optimum, args.threads)))
+        print("\n".join(bench(args.one, args.rounds, args.optimum, args.threads, args.block_s)))
         return 0
     for name in args.models:  # one process per model: no model's memory or threads weigh on another's
         extra = ["--optimum", str(args.optimum)] if args.optimum else []
         subprocess.run([sys.executable, __file__, "--one", name, "--rounds", str(args.rounds),
-                        "--threads", str(args.threads), *extra], check=False)
+                        "--threads", str(args.threads), "--block-s", str(args.block_s), *extra], check=False)
     return 0
 
 
