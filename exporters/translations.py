@@ -13,8 +13,9 @@ softmax spreads such a row evenly over every key and the graph returns the mean 
 with a float mask of -inf its softmax returns NaN: other numbers than eager's either way. Ours
 zeroes exactly those rows after torchlib's attention, which keeps its pattern for the fusions,
 and drops the NaN zeroing torchlib puts after a boolean-masked softmax, which turned a NaN the
-inputs carried into zeros. With a boolean mask the zeroing is a product with 0, which lets a NaN
-or inf through a hidden row where torch's zero weights times the values do.
+inputs carried into zeros. The zeroing is a product with 0 (a float mask's -inf made the lowest
+finite value first), which lets a NaN or inf through a hidden row where torch's zero weights
+times the values do.
 
 Max and min (``amax``, ``max(dim)``, ``min()``...), max pooling and ``argmax``/``argmin``: torch
 propagates a NaN (the max of a window holding one is NaN, argmax points at the first NaN);

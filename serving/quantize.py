@@ -130,9 +130,9 @@ def activation_products_pay() -> bool:
     on an x86 CPU without AVX-512. Measured (BERT-base, 2 threads, weights in int8 either way): on
     an AVX2-only EPYC they were a third of the time left at sequence 512 and int8 cut it; on a Xeon
     with AVX-512 and AMX the fp32 products are at the fp32 peak and the int8 ones, with the scores
-    quantized per call, ran slower at every size: BERT-base served in 0.24/0.25/0.35x eager's time
-    at (1, 128)/(8, 128)/(1, 512) with fp32 products, 0.33/0.27/0.38x with int8 ones. Off x86: fp32
-    (unmeasured; fewer quantized products keep more precision)."""
+    quantized per call, ran slower at every size (onnxruntime's kernel time at (8, 128): 144-163
+    against 176 ms; docs/BENCHMARKS.md, stop 36). Off x86: fp32 (unmeasured; fewer quantized
+    products keep more precision)."""
     return _is_x86() and "avx512f" not in _cpu_flags()
 
 

@@ -4,8 +4,8 @@ A function's fingerprint covers its code (the target's function, or every submod
 ``forward`` with the module's plain attributes and config; the files that code is written in and
 the plain values of the globals it names), the content of its weights, buffers
 and closed-over tensors, the compile options, and the versions of the libraries that make the
-graph (this library's own source included). A capture's fingerprint adds the call key and the plan (dynamic axes, tied axes, lifted
-numbers, the sizes of static axes). These are "as far as cheaply knowable": a cached graph is
+graph (this library's own source by content). A capture's fingerprint adds the call key and the
+plan (dynamic axes, tied axes, lifted numbers, the sizes of static axes). These are "as far as cheaply knowable": a cached graph is
 still verified against the first call's eager result before it serves anything.
 
 Weights are hashed once per tensor version: the digest is kept per tensor and reused while its
