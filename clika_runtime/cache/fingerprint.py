@@ -31,7 +31,6 @@ import torch
 
 import exporters
 import serving
-
 from clika_runtime.base.precision import FP32
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.base.version import VERSION
