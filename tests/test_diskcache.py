@@ -106,6 +106,64 @@ def test_a_second_function_of_the_same_model_finds_the_graph():
         torch.testing.assert_close(again(x), model(x))
 
 
+def _clamp_to(limit):
+    return lambda t: torch.clamp(t, max=limit)
+
+
+def _holding(limit):
+    class Holder(torch.nn.Module):
+        LIMIT = limit
+
+        def __init__(self, fn=None):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, x):
+            return self.fn(x) if self.fn is not None else torch.clamp(x, max=type(self).LIMIT)
+
+    return Holder
+
+
+def _bert(attention):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                 vocab_size=50)).eval()
+    model.set_attn_implementation(attention)
+    return model
+
+
+@pytest.mark.parametrize("held", ["partial", "closure", "class attribute", "builtin", "attention implementation"])
+def test_trap_what_a_module_holds_is_in_the_key(held):
+    """A function, partial or class attribute the module holds decides what its graph computes:
+    a later process with another value was served the old graph, whenever its first call could
+    not tell them apart (a clamp's limit above every value of that call)."""
+    import functools
+
+    x = torch.zeros(2, 3)
+    if held == "attention implementation":  # differs from sdpa on a row of padding only
+        ids = torch.randint(5, 50, (2, 6))
+        first = cr.compile(_bert("sdpa"))
+        with torch.no_grad():
+            first(input_ids=ids, attention_mask=torch.ones_like(ids))
+        assert _exported(first)
+        again = cr.compile(_bert("eager"))
+        with torch.no_grad():
+            again(input_ids=ids, attention_mask=torch.ones_like(ids))
+        assert _exported(again)
+        return
+    make = {
+        "partial": lambda v: _holding(None)(functools.partial(torch.clamp, max=v)),
+        "closure": lambda v: _holding(None)(_clamp_to(v)),
+        "class attribute": lambda v: _holding(v)(),
+        "builtin": lambda v: _holding(None)(torch.relu if v == 0.5 else torch.abs),  # alike at 0
+    }[held]
+    assert _exported(_capture(make(0.5), x))
+    assert not _exported(_capture(make(0.5), x))  # the same: found
+    assert _exported(_capture(make(2.0), x))
+
+
 @pytest.mark.parametrize("change", ["weights", "code", "static", "versions"])
 def test_what_decides_the_graph_is_in_the_key(change, monkeypatch):
     model, x = _model(), torch.randn(2, 4)

@@ -197,13 +197,23 @@ def _code(fn: Any) -> str:
 
 
 def _module(module: torch.nn.Module) -> str:
+    """A module's class, its forward and its plain attributes: the instance's, and those of its
+    own classes (``LIMIT = float(os.environ[...])`` in a class body)."""
     cls = type(module)
     attributes = []
     for key, value in sorted(vars(module).items()):
         if key.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
             continue
         attributes.append(f"{key}={_plain(value)}")
+    for owner in (c for c in cls.__mro__ if _ours(c)):
+        for key, value in sorted(vars(owner).items()):
+            if not key.startswith("__") and not isinstance(value, _NOT_VALUES):
+                attributes.append(f"{owner.__qualname__}.{key}={_plain(value)}")
     return f"{cls.__module__}.{cls.__qualname__}[{_function(cls.forward)}]({','.join(attributes)})"
+
+
+# A class body's entries that are code or machinery, not values (methods are keyed by ``_sources``).
+_NOT_VALUES = (types.FunctionType, staticmethod, classmethod, property, type, torch.Tensor, torch.nn.Module)
 
 
 def _sources(fn: Any) -> str:
@@ -374,10 +384,13 @@ def _file_digest(path: str) -> str:
 
 
 def _plain(value: Any, depth: int = 4) -> str:
-    """A stable text of an attribute's value (configs by their dict; objects by their type;
-    containers ``depth`` levels down, then by their length)."""
+    """A stable text of an attribute's value (configs by their dict; functions by their code, the
+    values they close over and their defaults; partials by their function and arguments; other
+    objects by their type; containers ``depth`` levels down, then by their length)."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return repr(value)
+    if isinstance(value, (functools.partial, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        return _callable(value, depth)
     if isinstance(value, (tuple, list, dict)):
         if depth == 0:
             return f"{type(value).__qualname__}[{len(value)}]"
@@ -388,11 +401,25 @@ def _plain(value: Any, depth: int = 4) -> str:
         return repr(value)
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):
-        try:
-            return repr(sorted((str(k), repr(v)) for k, v in to_dict().items()))
+        try:  # a transformers config leaves out the attention implementation, which changes the graph
+            return repr(sorted((str(k), repr(v)) for k, v in to_dict().items())) + \
+                repr(getattr(value, "_attn_implementation", None))
         except Exception:  # a to_dict that needs arguments: the type is what we have
             pass
     return type(value).__qualname__
+
+
+def _callable(value: Any, depth: int) -> str:
+    """A function a module holds as a value (``self.act = partial(F.gelu, approximate="tanh")``)."""
+    if isinstance(value, functools.partial):
+        return f"partial({_plain(value.func, depth)},{_plain(list(value.args), depth - 1)}," \
+               f"{_plain(value.keywords, depth - 1)})"
+    if isinstance(value, types.MethodType):
+        return f"method({_plain(value.__func__, depth)})"
+    if isinstance(value, types.BuiltinFunctionType):  # torch.relu, math.sqrt
+        return f"{getattr(value, '__module__', None)}.{value.__qualname__}"
+    held = [*_closure(value), *_defaults(value)] if depth > 0 else []
+    return f"{_function(value)}({','.join(f'{name}={_plain(v, depth - 1)}' for name, v in held)})"
 
 
 def _function(fn: Any) -> str:
