@@ -202,3 +202,29 @@ def test_tensors_made_under_inference_mode_are_named_in_a_capture_note():
     f = cr.compile(lambda x: x + shift)
     f(torch.ones(4))
     assert any("'shift' is an inference tensor" in note for note in f.capture_notes), f.capture_notes
+
+
+def _limited():
+    class Limited(torch.nn.Module):
+        LIMIT = 0.5  # a class-body setting: read as self.LIMIT or type(self).LIMIT
+
+        def forward(self, x):
+            return torch.clamp(x, max=self.LIMIT) + torch.clamp(x, min=type(self).LIMIT)
+
+    return Limited
+
+
+def test_trap_a_class_attribute_changed_after_capture_recaptures():
+    """``Limited.LIMIT = 2.0`` after the capture: the graph kept 0.5 and served it."""
+    cls = _limited()
+    model = cls()
+    f = cr.compile(model)
+    x = torch.full((2,), 10.0)
+    _served_and_eager(f, model, x)
+    cls.LIMIT = 2.0
+    got, expected = _served_and_eager(f, model, x)
+    torch.testing.assert_close(got, expected)
+    assert f.recapture_count == 1 and "LIMIT" in f.recapture_reasons[-1], f.recapture_reasons
+    got, expected = _served_and_eager(f, model, x)
+    torch.testing.assert_close(got, expected)
+    assert f.captures[-1].hits >= 1  # served again from the new capture

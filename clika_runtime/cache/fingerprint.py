@@ -31,6 +31,7 @@ import torch
 
 import exporters
 import serving
+from clika_runtime.base.libraries import LIBRARIES, library_package, ours
 from clika_runtime.base.precision import FP32
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.base.version import VERSION
@@ -42,8 +43,6 @@ from clika_runtime.state.weights import closure_tensors
 # id(tensor) -> (a weak reference to it, its state when hashed, the digest). Not a WeakKeyDictionary:
 # tensors compare elementwise, so they cannot be dictionary keys by value.
 _DIGESTS: dict[int, tuple[weakref.ref, tuple, str]] = {}
-_LIBRARIES = ("torch", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "transformers")
-_KEYED = frozenset(name.replace("-", "_") for name in _LIBRARIES) | {"builtins"}  # their code: by version
 # Past this many bytes of tensors, they are hashed on several threads (BERT-base: 440 MB, 0.24 s on one).
 _PARALLEL_BYTES = 64 * 2**20
 
@@ -171,7 +170,7 @@ def _own_code() -> str:
 
 def _versions() -> str:
     versions = [f"clika_runtime {VERSION} {_own_code()}", f"python {sys.version_info[:3]}"]
-    for name in _LIBRARIES:
+    for name in LIBRARIES:
         try:
             versions.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
@@ -205,7 +204,7 @@ def _module(module: torch.nn.Module) -> str:
         if key.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
             continue
         attributes.append(f"{key}={_plain(value)}")
-    for owner in (c for c in cls.__mro__ if _ours(c)):
+    for owner in (c for c in cls.__mro__ if ours(c)):
         for key, value in sorted(vars(owner).items()):
             if not key.startswith("__") and not isinstance(value, _NOT_VALUES):
                 attributes.append(f"{owner.__qualname__}.{key}={_plain(value)}")
@@ -230,8 +229,8 @@ def _sources(fn: Any) -> str:
     lands inside both limits of a clamp verifies the graph made under either."""
     owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
     modules = list(owner.modules()) if isinstance(owner, torch.nn.Module) else []
-    classes = {c for m in modules for c in type(m).__mro__ if _ours(c)}
-    functions = [f for c in classes for f in vars(c).values() if isinstance(f, types.FunctionType) and _ours(f)]
+    classes = {c for m in modules for c in type(m).__mro__ if ours(c)}
+    functions = [f for c in classes for f in vars(c).values() if isinstance(f, types.FunctionType) and ours(f)]
     if isinstance(inner := getattr(fn, "__func__", fn), types.FunctionType):
         functions.append(inner)
         functions += [v for _, v in _closure(inner) if isinstance(v, types.FunctionType)]  # helpers it closes over
@@ -239,7 +238,7 @@ def _sources(fn: Any) -> str:
     named |= {(f.__qualname__, n): v for f in functions for n, v in _closure(f)}  # make_predict(clamp)'s clamp
     named |= {(f.__qualname__, n): v for f in functions for n, v in _defaults(f)}  # lambda x, c=ceil: ...
     files |= {_file(c) for c in classes} | {_file(f) for f in functions}
-    files |= {_file(v) for v in named.values() if isinstance(v, (type, types.FunctionType)) and _ours(v)}
+    files |= {_file(v) for v in named.values() if isinstance(v, (type, types.FunctionType)) and ours(v)}
     values = sorted(f"{m}.{n}={_plain(v)}" for (m, n), v in named.items()
                     if not isinstance(v, (type, types.FunctionType, types.ModuleType)))
     files |= {v for v in named.values() if _names_a_file(v)} | {v for m in modules for v in vars(m).values()
@@ -302,14 +301,14 @@ def _all_names(code: types.CodeType) -> set[str]:
 
 
 def _user_code(code: Any) -> bool:
-    """The user's own code (a function or a module): ``_ours``, and not an installed package
+    """The user's own code (a function or a module): ``ours``, and not an installed package
     (numpy's, timm's)."""
     if isinstance(code, types.ModuleType):
         package, path = code.__name__.split(".")[0], getattr(code, "__file__", None) or ""
-        ours = package not in _KEYED and package not in sys.stdlib_module_names
+        own = not library_package(package)
     else:
-        ours, path = _ours(code), _file(code) or ""
-    return ours and "-packages" + os.sep not in path
+        own, path = ours(code), _file(code) or ""
+    return own and "-packages" + os.sep not in path
 
 
 def _environment(functions: list[types.FunctionType], named: dict) -> list[str]:
@@ -348,12 +347,6 @@ def _closure(fn: types.FunctionType) -> list[tuple[str, Any]]:
     """The variables a function closes over, by name, but empty cells."""
     cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
     return [(name, cell.cell_contents) for name, cell in cells if filled(cell)]
-
-
-def _ours(code: Any) -> bool:
-    """Code whose changes the versions do not key: not the libraries in them, not Python's own."""
-    package = (getattr(code, "__module__", None) or "").split(".")[0]
-    return package not in _KEYED and package not in sys.stdlib_module_names
 
 
 def _file(code: Any) -> str | None:

@@ -6,9 +6,11 @@ children of ``Sequential`` / ``ModuleList`` / ``ModuleDict`` on every call), the
 private attributes included; two levels), torch's global forward hooks and default dtype; for a
 function, its closure cells, defaults, code and the globals its code loads, a partial's
 arguments, a bound or callable object's attributes; and the modules found among all those, as
-trees (``modules_reached``: ``weights.py`` watches their tensors). Not watched: modules' private
-attributes, class attributes, imported modules' attributes, globals of the functions the target
-calls, loggers and threading objects, grad mode (graphs serve inference; see README).
+trees (``modules_reached``: ``weights.py`` watches their tensors); the plain values in the bodies
+of the modules' own classes (``LIMIT = 0.5``: not torch's or transformers' classes, whose state is
+their version's). Not watched: modules' private attributes, library classes' attributes,
+imported modules' attributes, globals of the functions the target calls, loggers and threading
+objects, grad mode (graphs serve inference; see README).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
+from clika_runtime.base.libraries import ours
 from clika_runtime.state.compare import COPIED, MODULE_PRIVATE, Part, cells_part, dict_part, kept
 
 _DEPTH = 2  # levels of attribute-carrying objects watched below a module
@@ -105,6 +108,23 @@ def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
             parts.append(dict_part(where, state, ["_modules"], sized=False, whole=True))
         for key in keys:
             parts += _held(state[key], f"{where}.{key}" if name else key, walk)
+        parts += _class_bodies(type(module), walk)
+    return parts
+
+
+def _class_bodies(cls: type, walk: _Walk) -> list[Part]:
+    """The plain values in the bodies of ``cls`` and its bases that are the user's own classes
+    (``self.LIMIT`` falls back to them; methods and descriptors are code, not values)."""
+    parts = []
+    for owner in cls.__mro__:
+        if id(owner) in walk.seen or not ours(owner):
+            continue
+        walk.seen.add(id(owner))
+        body = vars(owner)
+        keys = [k for k, v in body.items() if not k.startswith("__") and not callable(v)
+                and not hasattr(type(v), "__get__")]
+        if keys:
+            parts.append(dict_part(owner.__qualname__, body, keys, sized=False))
     return parts
 
 
