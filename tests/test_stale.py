@@ -214,10 +214,32 @@ def _limited():
     return Limited
 
 
-def test_trap_a_class_attribute_changed_after_capture_recaptures():
-    """``Limited.LIMIT = 2.0`` after the capture: the graph kept 0.5 and served it."""
-    cls = _limited()
-    model = cls()
+def _settings():
+    class Settings:
+        LIMIT = 0.5
+
+    return Settings
+
+
+class _Configured(torch.nn.Module):
+    def __init__(self, settings) -> None:
+        super().__init__()
+        self.settings = settings
+
+    def forward(self, x):
+        return torch.clamp(x, max=self.settings.LIMIT)
+
+
+@pytest.mark.parametrize("held", ["the module's class", "a config object's class"])
+def test_trap_a_class_attribute_changed_after_capture_recaptures(held):
+    """A class-body value changed after the capture (``Limited.LIMIT = 2.0``, read through the
+    module or an object it holds): the graph kept 0.5 and served it."""
+    if held == "the module's class":
+        cls = _limited()
+        model = cls()
+    else:
+        cls = _settings()
+        model = _Configured(cls())
     f = cr.compile(model)
     x = torch.full((2,), 10.0)
     _served_and_eager(f, model, x)

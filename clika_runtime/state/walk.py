@@ -7,8 +7,8 @@ private attributes included; two levels), torch's global forward hooks and defau
 function, its closure cells, defaults, code and the globals its code loads, a partial's
 arguments, a bound or callable object's attributes; and the modules found among all those, as
 trees (``modules_reached``: ``weights.py`` watches their tensors); the plain values in the bodies
-of the modules' own classes (``LIMIT = 0.5``: not torch's or transformers' classes, whose state is
-their version's). Not watched: modules' private attributes, library classes' attributes,
+of the user's own classes of those modules and objects (``LIMIT = 0.5``: not torch's or
+transformers' classes, whose state is their version's). Not watched: modules' private attributes, library classes' attributes,
 imported modules' attributes, globals of the functions the target calls, loggers and threading
 objects, grad mode (graphs serve inference; see README).
 """
@@ -141,7 +141,7 @@ def _objects(value: Any, name: str, walk: _Walk, depth: int) -> list[Part]:
     parts = [dict_part(name, state, keys, sized=True)]
     for key in keys:
         parts += _held(state[key], f"{name}.{key}", walk, depth - 1)
-    return parts
+    return parts + _class_bodies(type(value), walk)
 
 
 def _unwrapped(fn: Any) -> Iterator[Any]:
