@@ -8,9 +8,9 @@ function, its closure cells, defaults, code and the globals its code loads, a pa
 arguments, a bound or callable object's attributes; and the modules found among all those, as
 trees (``modules_reached``: ``weights.py`` watches their tensors); the plain values in the bodies
 of the user's own classes of those modules and objects (``LIMIT = 0.5``: not torch's or
-transformers' classes, whose state is their version's). Not watched: modules' private attributes, library classes' attributes,
-imported modules' attributes, globals of the functions the target calls, loggers and threading
-objects, grad mode (graphs serve inference; see README).
+transformers' classes, whose state is their version's). Not watched: modules' private
+attributes, library classes' attributes, imported modules' attributes, globals of the functions
+the target calls, loggers and threading objects, grad mode (graphs serve inference; see README).
 """
 
 from __future__ import annotations
