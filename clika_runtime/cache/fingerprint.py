@@ -5,8 +5,9 @@ A function's fingerprint covers its code (the target's function, or every submod
 the plain values of the globals it names), the content of its weights, buffers
 and closed-over tensors, the compile options, and the versions of the libraries that make the
 graph (this library's own source by content). A capture's fingerprint adds the call key and the
-plan (dynamic axes, tied axes, lifted numbers, the sizes of static axes). These are "as far as cheaply knowable": a cached graph is
-still verified against the first call's eager result before it serves anything.
+plan (dynamic axes, tied axes, lifted numbers, the sizes of static axes). These are "as far as
+cheaply knowable": a cached graph is still verified against the first call's eager result before
+it serves anything.
 
 Weights are hashed once per tensor version: the digest is kept per tensor and reused while its
 version counter and data pointer stay the same. SHA-256 (twice blake2b's speed on CPUs with SHA
