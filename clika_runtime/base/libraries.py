@@ -20,6 +20,14 @@ def ours(code: Any) -> bool:
     return not library_package((getattr(code, "__module__", None) or "").split(".")[0])
 
 
+def body_values(cls: type) -> list[str]:
+    """The names in the body of ``cls`` (not its bases) that hold plain values, read as settings
+    (``LIMIT = 0.5``): not dunders, not code (functions, classes, callable objects) and not
+    descriptors (properties, static and class methods)."""
+    return [key for key, value in vars(cls).items()
+            if not key.startswith("__") and not callable(value) and not hasattr(type(value), "__get__")]
+
+
 def library_package(package: str) -> bool:
     """Whether the top-level package ``package`` is one of ``LIBRARIES`` or Python's own."""
     return package in _VERSIONED or package in sys.stdlib_module_names

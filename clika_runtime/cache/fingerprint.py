@@ -32,7 +32,7 @@ import torch
 
 import exporters
 import serving
-from clika_runtime.base.libraries import LIBRARIES, library_package, ours
+from clika_runtime.base.libraries import LIBRARIES, body_values, library_package, ours
 from clika_runtime.base.precision import FP32
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.base.version import VERSION
@@ -205,15 +205,9 @@ def _module(module: torch.nn.Module) -> str:
         if key.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
             continue
         attributes.append(f"{key}={_plain(value)}")
-    for owner in (c for c in cls.__mro__ if ours(c)):
-        for key, value in sorted(vars(owner).items()):
-            if not key.startswith("__") and not isinstance(value, _NOT_VALUES):
-                attributes.append(f"{owner.__qualname__}.{key}={_plain(value)}")
+    for owner in (c for c in cls.__mro__ if ours(c)):  # methods are keyed by ``_sources``
+        attributes += [f"{owner.__qualname__}.{key}={_plain(vars(owner)[key])}" for key in sorted(body_values(owner))]
     return f"{cls.__module__}.{cls.__qualname__}[{_function(cls.forward)}]({','.join(attributes)})"
-
-
-# A class body's entries that are code or machinery, not values (methods are keyed by ``_sources``).
-_NOT_VALUES = (types.FunctionType, staticmethod, classmethod, property, type, torch.Tensor, torch.nn.Module)
 
 
 def _sources(fn: Any) -> str:

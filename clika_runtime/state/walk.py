@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
-from clika_runtime.base.libraries import ours
+from clika_runtime.base.libraries import body_values, ours
 from clika_runtime.state.compare import COPIED, MODULE_PRIVATE, Part, cells_part, dict_part, kept
 
 _DEPTH = 2  # levels of attribute-carrying objects watched below a module
@@ -114,17 +114,15 @@ def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
 
 def _class_bodies(cls: type, walk: _Walk) -> list[Part]:
     """The plain values in the bodies of ``cls`` and its bases that are the user's own classes
-    (``self.LIMIT`` falls back to them; methods and descriptors are code, not values)."""
+    (``self.LIMIT`` falls back to them)."""
     parts = []
     for owner in cls.__mro__:
         if id(owner) in walk.seen or not ours(owner):
             continue
         walk.seen.add(id(owner))
-        body = vars(owner)
-        keys = [k for k, v in body.items() if not k.startswith("__") and not callable(v)
-                and not hasattr(type(v), "__get__")]
+        keys = body_values(owner)
         if keys:
-            parts.append(dict_part(owner.__qualname__, body, keys, sized=False))
+            parts.append(dict_part(owner.__qualname__, vars(owner), keys, sized=False))
     return parts
 
 
