@@ -12,7 +12,12 @@ the exported transformer and Optimum's int8 export does not do, or does less of:
   shapes computed by a dozen ``Shape``/``Slice``/``Concat``) becomes one ``Transpose``, which
   onnxruntime merges with the heads' transpose before it (one copy per layer instead of two);
 - torchlib's scalings of the queries and keys by the square root of the softmax scale go into the
-  weights of their projections: two passes per layer fewer.
+  weights of their projections: two passes per layer fewer;
+- attention's mask add and the product that zeroes the rows the mask hides
+  (``exporters.translations``) run in an ``If``, only for a call whose mask hides something: the
+  add is a pass over the (batch, heads, query, key) scores, 7.7% of BERT-base's int8 run at
+  (1, 512), and a call with nothing masked (every sequence full, or one sequence alone) needs
+  neither. Adding 0 and multiplying by 1 change no number, NaN and infinities included.
 """
 
 from __future__ import annotations
@@ -201,6 +206,114 @@ def _scaled_product(value: str, produced: dict[str, Any], readers: dict[str, lis
     if node.op_type != "MatMul" or node.domain or node.input[1] not in constants:
         return None
     return [*scaled, (node, 1)]
+
+
+def attention_masks_branched(graph: Any) -> int:
+    """Replace each masked attention's ``Softmax(Add(scores, mask))``, its product with the values
+    and the product zeroing hidden rows (``Mul(out, visible)``, all four made from one
+    ``scaled_dot_product_attention`` call) by an ``If``: without the add and the zeroing when every
+    entry of the mask is 0 and every row is visible, as before otherwise. One check per mask, read
+    by every layer. Returns how many."""
+    from onnx import helper
+
+    produced = {o: n for n in graph.node for o in n.output}
+    readers, outputs = _readers(graph), {o.name for o in graph.output}
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.output]}
+    replaced: dict[int, list[Any]] = {}  # id of the zeroing Mul -> the nodes in its place
+    gone: set[int] = set()
+    checks: dict[tuple[str, str], str] = {}
+    for node in graph.node:
+        chain = _masked_attention(node, produced, readers, outputs)
+        if chain is None or not types.get(chain[-1].output[0]):
+            continue
+        add, softmax, product, zeroing = chain
+        mask, visible = add.input[1], next(name for name in zeroing.input if name != product.output[0])
+        out, made = zeroing.output[0], []
+        if (mask, visible) not in checks:
+            checks[mask, visible] = f"{out}_nothing_masked"
+            made += _nothing_masked(mask, visible, checks[mask, visible])
+        unmasked = _renamed([softmax, product], out, "unmasked", {add.output[0]: add.input[0]})  # softmax(scores)
+        kept = helper.make_graph(unmasked, f"{out}_unmasked", [],
+                                 [helper.make_tensor_value_info(f"{out}_unmasked", types[out], None)])
+        masked = helper.make_graph(_renamed([add, softmax, product, zeroing], out, "masked"), f"{out}_masked", [],
+                                   [helper.make_tensor_value_info(f"{out}_masked", types[out], None)])
+        made.append(helper.make_node("If", [checks[mask, visible]], [out], name=f"{zeroing.name}_branched",
+                                     then_branch=kept, else_branch=masked))
+        replaced[id(zeroing)] = made
+        gone |= {id(add), id(softmax), id(product)}
+    if replaced:
+        nodes = [made for n in graph.node if id(n) not in gone for made in replaced.get(id(n), [n])]
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return len(replaced)
+
+
+def _masked_attention(softmax: Any, produced: dict[str, Any], readers: dict[str, list[Any]], outputs: set[str]
+                      ) -> list[Any] | None:
+    """The ``Add``, ``Softmax``, ``MatMul`` and zeroing ``Mul`` of one masked attention, when
+    ``softmax`` is its softmax and each step is read by the next alone; else None."""
+    if softmax.op_type != "Softmax" or softmax.domain:
+        return None
+    add = produced.get(softmax.input[0])
+    scores = produced.get(add.input[0]) if add is not None and add.op_type == "Add" and not add.domain else None
+    if scores is None or scores.op_type != "MatMul" or readers.get(add.output[0]) != [softmax]:
+        return None
+    (product, *others) = readers.get(softmax.output[0], [None])
+    if others or product is None or product.op_type != "MatMul" or product.input[0] != softmax.output[0]:
+        return None
+    (zeroing, *others) = readers.get(product.output[0], [None])
+    if others or zeroing is None or zeroing.op_type != "Mul" or zeroing.domain:
+        return None
+    chain = [add, softmax, product, zeroing]
+    if any(n.output[0] in outputs for n in chain[:-1]):  # a value the graph hands out stays outside
+        return None
+    # The four from one torch attention: its mask cannot broadcast the scores to a larger shape.
+    made_by = {_metadata(n, "pkg.torch.onnx.fx_node") for n in chain}
+    if len(made_by) != 1 or "aten.scaled_dot_product_attention" not in made_by.pop():
+        return None
+    return chain
+
+
+def _nothing_masked(mask: str, visible: str, name: str) -> list[Any]:
+    """Nodes computing ``name``: every entry of ``mask`` is 0 and every one of ``visible`` is 1."""
+    from onnx import TensorProto, helper
+
+    nodes = []
+    for value, target, tag in ((mask, 0.0, "zero"), (visible, 1.0, "one")):
+        nodes += [
+            helper.make_node("Constant", [], [f"{name}_{tag}"], value_float=target),
+            helper.make_node("CastLike", [f"{name}_{tag}", value], [f"{name}_{tag}_like"]),
+            helper.make_node("Equal", [value, f"{name}_{tag}_like"], [f"{name}_{tag}_equal"]),
+            helper.make_node("Cast", [f"{name}_{tag}_equal"], [f"{name}_{tag}_float"], to=TensorProto.FLOAT),
+            # The least is 1 when all are, 0 when one is not, +inf for no entries (then nothing is masked).
+            helper.make_node("ReduceMin", [f"{name}_{tag}_float"], [f"{name}_{tag}_least"], keepdims=0),
+            helper.make_node("Cast", [f"{name}_{tag}_least"], [f"{name}_{tag}_all"], to=TensorProto.BOOL),
+        ]
+    nodes.append(helper.make_node("And", [f"{name}_zero_all", f"{name}_one_all"], [name]))
+    return nodes
+
+
+def _renamed(chain: list[Any], out: str, branch: str, read: dict[str, str] | None = None) -> list[Any]:
+    """Copies of ``chain``'s nodes for one branch, the last writing ``{out}_{branch}``: the values
+    between them renamed so that no name is defined twice in the model, and those in ``read``
+    read from another value."""
+    from onnx import NodeProto
+
+    names = {**(read or {}), **{n.output[0]: f"{out}_{branch}_{i}" for i, n in enumerate(chain[:-1])},
+             chain[-1].output[0]: f"{out}_{branch}"}
+    copies = []
+    for node in chain:
+        copy = NodeProto()
+        copy.CopyFrom(node)
+        copy.name = f"{node.name}_{branch}"
+        copy.input[:] = [names.get(name, name) for name in node.input]
+        copy.output[:] = [names[node.output[0]]]
+        copies.append(copy)
+    return copies
+
+
+def _metadata(node: Any, key: str) -> str:
+    return next((p.value for p in node.metadata_props if p.key == key), "")
 
 
 def _read_by_one(name: str, readers: dict[str, list[Any]]) -> bool:

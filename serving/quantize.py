@@ -57,6 +57,8 @@ def quantize_int8(source: str, target: str, per_channel: bool = True, activation
     int8_layout.key_transposes_folded(graph, {name: rank for name, (_, rank) in types.items() if rank is not None})
     int8_layout.scalings_folded(graph)
     int8_layout.residual_adds_as_sums(graph)
+    if not activation_products:  # products in an If stay fp32
+        int8_layout.attention_masks_branched(graph)
     weights = {t.name: t for t in graph.initializer}
     quantized: dict[str, tuple[str, str, str]] = {}  # fp32 weight -> (int8 weight, scale, zero point)
     activations: dict[str, tuple[str, str, str]] = {}  # fp32 activation -> its DynamicQuantizeLinear outputs

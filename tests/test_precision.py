@@ -67,6 +67,12 @@ def called(f, *args, **kwargs):
     return out, [str(w.message) for w in caught]
 
 
+def every_node(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes and those of its subgraphs (an ``If``'s branches)."""
+    return [n for node in graph.node for n in [node, *(m for a in node.attribute if a.HasField("g")
+                                                     for m in every_node(a.g))]]
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.reshape(1, -1).double(), b.reshape(1, -1).double()).item()
 
@@ -299,8 +305,9 @@ def test_int8_attention_has_no_softmax_nan_pass_and_still_zeroes_padded_rows(ber
     out of the int8 graph as eager's."""
     model, f = bert_int8
     for graph in (f.graphs()[0].model_proto.graph, onnx.load(str(f._lifecycle.table.captures[0].folder.model)).graph):
-        softmaxed = {out for node in graph.node if node.op_type == "Softmax" for out in node.output}
-        assert softmaxed and not [n for n in graph.node if n.op_type == "IsNaN" and n.input[0] in softmaxed]
+        nodes = every_node(graph)
+        softmaxed = {out for node in nodes if node.op_type == "Softmax" for out in node.output}
+        assert softmaxed and not [n for n in nodes if n.op_type == "IsNaN" and n.input[0] in softmaxed]
     ids = torch.randint(1, 200, (2, 16))
     mask = torch.ones_like(ids)
     mask[1] = 0  # a row of padding only
@@ -399,3 +406,72 @@ def test_attention_products_run_in_int8_only_where_they_pay(bert_int8, tmp_path)
     for products in (True, False):
         got = ort.InferenceSession(str(tmp_path / f"{products}.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
         assert cosine(torch.from_numpy(got), torch.from_numpy(reference)) >= 0.999, products
+
+
+class MaskedAttention(torch.nn.Module):
+    """One attention over a mask the caller passes (boolean or additive), as transformers' models call it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _masks(kind: str) -> list[torch.Tensor]:
+    """Masks of shape (batch 2, 1, 6, 6): nothing hidden, keys padded, a query row hiding every key,
+    and (additive) a NaN in the mask."""
+    visible = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    padded = visible.clone()
+    padded[1, :, :, 4:] = False
+    hidden_row = visible.clone()
+    hidden_row[0, :, 2, :] = False
+    masks = [visible, padded, hidden_row]
+    if kind == "bool":
+        return masks
+    additive = [torch.zeros(m.shape).masked_fill(~m, float("-inf")) for m in masks]
+    with_nan = additive[0].clone()
+    with_nan[1, 0, 3, 1] = float("nan")
+    return [*additive, with_nan]
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_int8_attention_adds_its_mask_only_when_the_mask_hides_something(kind, tmp_path):
+    """Where attention's products stay fp32, the int8 graph runs each attention's mask add (a pass
+    over the (batch, heads, query, key) scores) and the product that zeroes rows the mask hides in
+    an ``If``, taken only when the mask hides something; a call whose mask hides nothing skips
+    both. Adding 0 and multiplying by 1 change no number: the graph gives what it gave without the
+    branch, bit for bit, NaN included, whatever the mask."""
+    from serving import int8_layout
+
+    model = MaskedAttention().eval()
+    f = cr.compile(model, dynamic=True)
+    x = torch.randn(2, 6, 16)
+    called(f, x, _masks(kind)[1])
+    source = str(f._lifecycle.table.captures[0].folder.model)
+    portable, branched = onnx.load(source), onnx.load(source)
+    assert int8_layout.attention_masks_branched(branched.graph) == 1
+    assert [n.op_type for n in branched.graph.node].count("Softmax") == 0
+    onnx.checker.check_model(branched, full_check=True)
+    sessions = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+                for m in (portable, branched)]
+    names = [i.name for i in sessions[0].get_inputs()]
+    for mask in _masks(kind):
+        for values in (x, x.masked_fill(torch.arange(16) == 5, float("nan"))):  # and a NaN in the inputs
+            feeds = dict(zip(names, (values.numpy(), mask.numpy())))
+            before, after = (s.run(None, feeds)[0] for s in sessions)
+            assert np.array_equal(before, after, equal_nan=True)
+            with torch.inference_mode():
+                eager = model(values, mask)
+            assert np.allclose(after, eager.numpy(), rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_the_served_int8_graph_branches_its_masks_where_products_stay_fp32(bert_int8):
+    from serving import quantize
+
+    _, f = bert_int8
+    branches = [n for n in f.graphs()[0].model_proto.graph.node if n.op_type == "If"]
+    assert len(branches) == (0 if quantize.activation_products_pay() else 2)  # one per layer
