@@ -475,3 +475,38 @@ def test_the_served_int8_graph_branches_its_masks_where_products_stay_fp32(bert_
     _, f = bert_int8
     branches = [n for n in f.graphs()[0].model_proto.graph.node if n.op_type == "If"]
     assert len(branches) == (0 if quantize.activation_products_pay() else 2)  # one per layer
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_trap_an_int8_graph_fed_nan_or_inf_serves_torchs_answer(mlp_int8, value):
+    # Found by a new-user trial: int8 quantizes each activation per call with one scale for the
+    # tensor, whose range skips a NaN and is made infinite by an inf, so a NaN in one row was
+    # served as plausible numbers and an inf made every row of the batch NaN. A call whose float
+    # inputs hold either runs eagerly (torch's own answer); the graph serves the next call.
+    model, counted, f, x, _ = mlp_int8
+    bad = x.clone()
+    bad[1, 3] = value
+    before = counted.calls
+    served, said = called(f, bad)
+    with torch.inference_mode():
+        eager = model(bad)
+    assert counted.calls == before + 1 and not said
+    assert torch.equal(served, eager) or torch.allclose(served, eager, equal_nan=True)
+    assert served[1].isnan().all() and not served[[0, 2, 3]].isnan().any()
+    hits = f.captures[0].hits
+    called(f, x)
+    assert counted.calls == before + 1 and f.captures[0].hits == hits + 1  # the graph was kept
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_trap_a_shipped_int8_graph_refuses_nan_or_inf_inputs(mlp_int8, tmp_path, value):
+    # The same graph loaded with cr.load has no eager to fall back to: such an input is an error
+    # that names it and says why, not numbers that hide it.
+    _, _, f, x, _ = mlp_int8
+    served = cr.load(f.graphs()[0].save(tmp_path / "mlp_int8.onnx"))
+    bad = x.clone()
+    bad[1, 3] = value
+    for feed in (bad, bad.numpy()):
+        with pytest.raises(cr.GraphInputError, match=r"input '.+' holds NaN or infinity, which an int8 graph cannot carry"):
+            served(feed)
+    assert np.isfinite(served(x.numpy())).all()

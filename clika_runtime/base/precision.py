@@ -19,6 +19,7 @@ import numpy as np
 
 FP32, INT8, FP16 = "fp32", "int8", "fp16"
 PRECISIONS = (FP32, INT8, FP16)
+FINITE_ONLY = frozenset({INT8})  # precisions whose graphs cannot carry a NaN or an infinity (``non_finite``)
 
 
 def checked(precision: Any) -> str:
@@ -26,6 +27,34 @@ def checked(precision: Any) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
     return precision
+
+
+def non_finite(precision: str, feeds: Sequence[Any]) -> int | None:
+    """The position of the first float feed (a tensor or an array) holding NaN or an infinity,
+    when a graph at ``precision`` cannot carry one; else ``None``. An int8 graph quantizes each
+    activation per call with one scale for the tensor: the range it measures skips a NaN (which
+    then comes out as a plausible number) and is made infinite by an inf (which makes every row
+    of the batch NaN). One sum per feed: a NaN or an infinity makes it so (finite values whose sum
+    overflows are looked at element by element)."""
+    if precision not in FINITE_ONLY:
+        return None
+    for i, feed in enumerate(feeds):
+        dtype = getattr(feed, "dtype", None)
+        if dtype is None or not (dtype.is_floating_point if hasattr(dtype, "is_floating_point")
+                                 else np.issubdtype(dtype, np.floating)):
+            continue
+        if not math.isfinite(float(feed.sum())) and not bool(_all_finite(feed)):
+            return i
+    return None
+
+
+def _all_finite(feed: Any) -> Any:
+    isfinite = getattr(feed, "isfinite", None)  # a tensor's own (no numpy conversion, any device)
+    return isfinite().all() if isfinite is not None else np.isfinite(feed).all()
+
+
+NON_FINITE = ("holds NaN or infinity, which an int8 graph cannot carry: it quantizes each activation per call "
+              "with one scale for the tensor, which a NaN escapes and an infinity makes infinite")
 
 
 def refusal(precision: str, device: str) -> str | None:

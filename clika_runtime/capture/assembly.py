@@ -76,11 +76,12 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
         input_device=device,
     )
     made.phases["session"] = time.perf_counter() - started
+    reduced = made.precision != FP32 and made.folder.opened == made.folder.reduced
     parts = closures.Parts(runner, out_spec, eager_leaves, made.constants, made.graph_leaves, made.scalar_out,
-                       tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner)
+                           tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner,
+                           made.precision if reduced else FP32)
     stats = Stats(phases=made.phases)
     run, flat = closures.closures(parts, made.guard, call.key, call.positions, stats)
-    reduced = made.precision != FP32 and made.folder.opened == made.folder.reduced
     capture = Capture(
         key=call.key, described=call.described, names=call.names, positions=call.positions,
         dynamic=tuple(dict(d) for d in made.plan.dynamic), guard=made.guard, example=examples(feeds),

@@ -22,6 +22,7 @@ import optree
 import torch
 
 import serving
+from clika_runtime.base.precision import FINITE_ONLY, FP32, NON_FINITE, non_finite
 from clika_runtime.guards.guard import Guard
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey
@@ -55,6 +56,11 @@ _Tensor = torch.Tensor
 _CONSTANTS = (type(None), bool, int, str)
 
 
+class NonFinite(Exception):
+    """A float input holds NaN or an infinity, which the capture's graph cannot carry (int8): the
+    call runs eagerly, and the graph serves on."""
+
+
 class RunFailed(Exception):
     """A graph failed on inputs its guard accepted."""
 
@@ -75,6 +81,7 @@ class Parts:
     scalar_out: dict[int, type]  # of those, the Python numbers (sizes) returned as numbers
     lift: tuple[int, ...]  # feed indices of lifted Python numbers (fed as int64 scalars)
     owner: torch.nn.Module | None = None
+    precision: str = FP32  # what the runner's graph computes at
 
 
 def closures(
@@ -82,6 +89,8 @@ def closures(
 ) -> tuple[Callable[[Sequence[Any]], Any], Callable[[tuple], Any] | None]:
     """The capture's ``run`` and flat hit (``None`` when its key is not a flat call)."""
     run = _run(parts, stats)
+    if parts.precision in FINITE_ONLY:
+        run = _finite_only(run, parts.precision)
     flat = _flat(key, positions, parts.owner, guard, run) if not parts.lift else None
     return run, flat
 
@@ -123,6 +132,18 @@ def _run(parts: Parts, stats: Stats) -> Callable[[Sequence[Any]], Any]:
         return unflatten(leaves)
 
     return run
+
+
+def _finite_only(run: Callable[[Sequence[Any]], Any], precision: str) -> Callable[[Sequence[Any]], Any]:
+    """``run``, raising ``NonFinite`` for feeds holding NaN or an infinity (``non_finite``)."""
+
+    def checked(feeds: Sequence[Any]) -> Any:
+        at = non_finite(precision, feeds)
+        if at is not None:
+            raise NonFinite(f"input {at} {NON_FINITE}")
+        return run(feeds)
+
+    return checked
 
 
 def _flat(

@@ -21,7 +21,7 @@ from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
-from clika_runtime.capture.closures import RunFailed
+from clika_runtime.capture.closures import NonFinite, RunFailed
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
 from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.capture.value import Capture
@@ -139,6 +139,8 @@ class Lifecycle(Fallbacks):
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
             out = capture.run(call.feeds)
+        except NonFinite:  # NaN or inf an int8 graph cannot carry: torch's answer, and the graph serves on
+            return self.target.eager(args, kwargs)
         except Exception as error:
             return self.run_failed(RunFailed(capture, error), args, kwargs)
         return out if capture.finish is None else capture.finish(out, *call.canonical)  # a KV cache written back

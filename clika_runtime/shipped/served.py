@@ -15,6 +15,7 @@ import numpy as np
 
 import serving
 from clika_runtime.base.config import config
+from clika_runtime.base.precision import FP32, NON_FINITE, non_finite
 from clika_runtime.base.errors import ClikaError, GraphFileError, GraphInputError, GraphRunError, PlaceError
 from clika_runtime.base.slots import KEYWORD, MISSING, slotted
 from clika_runtime.base.specs import PlaceLike, TensorInfo, resolve_place
@@ -67,6 +68,7 @@ class ServedGraph:
         self._inputs = found.inputs if found else None
         self._outputs = found.outputs if found else None
         self._parameters = found.parameters if found else []
+        self._precision = found.precision.precision if found and found.precision else FP32
         self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
         self._numpy_unfit = [o.name for o in declared.outputs if o.dtype == "bfloat16"]
         self._torch: Any = None
@@ -117,6 +119,9 @@ class ServedGraph:
         problem = self._guard.check(feeds)
         if problem is not None:
             raise GraphInputError(str(problem))
+        at = non_finite(self._precision, feeds)
+        if at is not None:  # no eager here to answer instead: an error, not numbers that hide it
+            raise GraphInputError(f"input '{self.input_names[at]}' {NON_FINITE}; serve the fp32 graph for such inputs")
         feeds = [np.asarray(v, dtype=np.int64) if r.shape is None else v for r, v in zip(self._guard.inputs, feeds)]
         is_torch = any(type(v).__module__.startswith("torch") for v in feeds)
         if not is_torch and self._numpy_unfit:
