@@ -8,7 +8,10 @@ through callgrind's client requests: a 20-line C helper built with gcc and valgr
 an empty loop's count is subtracted, so a figure is the step's own instructions per call.
 Outside valgrind the regions are no-ops; ``--time`` instead times ``clika``, ``ort_run`` and
 ``floor`` interleaved (scripts/timing.py) and prints the paired ratios with the machine's load,
-a second opinion on a loaded machine. The steps:
+a second opinion on a loaded machine. ``--added`` times the runner alone and with each check
+before it (``weights``, ``state``, ``fresh``, ``flat``: each step's cost in a loop of served
+calls, where the run after it pays too: what the check's memory traffic evicts), and the whole
+call, interleaved, each step also alone. The steps:
 
 - ``ort_run``: ``InferenceSession.run(None, feeds)``; ``floor``: the pre-bound IOBinding run
   (``bench.floor_binding``: inputs and outputs bound once);
@@ -90,12 +93,15 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--steps", nargs="*", default=None, help="only these steps (and the empty loop)")
     parser.add_argument("--time", action="store_true", help="time clika, ort_run and floor interleaved instead")
+    parser.add_argument("--added", action="store_true", help="time the runner with each check added instead")
     parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args()
     torch.set_num_threads(1)
     cr.config.cache_dir = None
     if args.time:
         return timed(args)
+    if args.added:
+        return added(args)
     lib = _helper()
     for w in build(tuple(args.workloads)):
         with torch.no_grad():
@@ -124,6 +130,31 @@ def timed(args: argparse.Namespace) -> int:
               f"floor {median(samples['floor']):.1f} us; clika/ort_run {paired_ratio(samples['clika'], samples['ort_run']):.3f}, "
               f"clika/floor {paired_ratio(samples['clika'], samples['floor']):.3f} (1-minute load {load:.1f})")
     return 0
+
+
+def added(args: argparse.Namespace) -> int:
+    """Per workload: each check alone, and the runner with it before the run, interleaved (us per call)."""
+    for w in build(tuple(args.workloads)):
+        with torch.no_grad():
+            every = steps(w)
+            runner = every["runner"]
+            checks = {name: every[name] for name in ("weights", "state", "fresh")}
+            chosen = {"floor": every["floor"], "runner": runner, "flat": every["flat"], "clika": every["clika"],
+                      **{f"{name}+runner": _before(check, runner) for name, check in checks.items()}, **checks}
+            samples = measure(chosen, args.rounds, 0.02)
+        base = median(samples["runner"])
+        print(f"{w.name} (1-minute load {os.getloadavg()[0]:.1f}): " + ", ".join(
+            f"{name} {median(times):.1f} us" + (f" (+{median(times) - base:.1f})" if "+" in name else "")
+            for name, times in samples.items()))
+    return 0
+
+
+def _before(check: Callable[[], Any], run: Callable[[], Any]) -> Callable[[], Any]:
+    def both() -> Any:
+        check()
+        return run()
+
+    return both
 
 
 def report(folder: str, calls: int) -> None:
