@@ -510,3 +510,13 @@ def test_trap_a_shipped_int8_graph_refuses_nan_or_inf_inputs(mlp_int8, tmp_path,
         with pytest.raises(cr.GraphInputError, match=r"input '.+' holds NaN or infinity, which an int8 graph cannot carry"):
             served(feed)
     assert np.isfinite(served(x.numpy())).all()
+
+
+def test_only_nan_or_infinity_sends_an_int8_call_eager():
+    from clika_runtime.base.precision import non_finite
+
+    big = torch.full((4,), 3e38)  # finite, though its sum overflows
+    assert non_finite("int8", [big, big.numpy(), torch.tensor([1, 2]), 3]) is None
+    assert non_finite("int8", [torch.ones(2), torch.tensor([1.0, float("nan")])]) == 1
+    assert non_finite("int8", [np.array([-np.inf], np.float16)]) == 0
+    assert non_finite("fp32", [torch.tensor([float("nan")])]) is None  # fp32 graphs carry them as torch does

@@ -20,6 +20,8 @@ import numpy as np
 FP32, INT8, FP16 = "fp32", "int8", "fp16"
 PRECISIONS = (FP32, INT8, FP16)
 FINITE_ONLY = frozenset({INT8})  # precisions whose graphs cannot carry a NaN or an infinity (``non_finite``)
+NON_FINITE = ("holds NaN or infinity, which an int8 graph cannot carry: it quantizes each activation per call "
+              "with one scale for the tensor, which a NaN escapes and an infinity makes infinite")
 
 
 def checked(precision: Any) -> str:
@@ -39,22 +41,22 @@ def non_finite(precision: str, feeds: Sequence[Any]) -> int | None:
     if precision not in FINITE_ONLY:
         return None
     for i, feed in enumerate(feeds):
-        dtype = getattr(feed, "dtype", None)
-        if dtype is None or not (dtype.is_floating_point if hasattr(dtype, "is_floating_point")
-                                 else np.issubdtype(dtype, np.floating)):
-            continue
-        if not math.isfinite(float(feed.sum())) and not bool(_all_finite(feed)):
+        if _floating(feed) and not math.isfinite(float(feed.sum())) and not bool(_all_finite(feed)):
             return i
     return None
 
 
+def _floating(feed: Any) -> bool:
+    dtype = getattr(feed, "dtype", None)
+    if dtype is None:  # a Python number (a lifted size)
+        return False
+    floating = getattr(dtype, "is_floating_point", None)  # torch's dtypes say; numpy's are asked
+    return floating if floating is not None else bool(np.issubdtype(dtype, np.floating))
+
+
 def _all_finite(feed: Any) -> Any:
-    isfinite = getattr(feed, "isfinite", None)  # a tensor's own (no numpy conversion, any device)
+    isfinite = getattr(feed, "isfinite", None)  # a tensor's own (no numpy conversion)
     return isfinite().all() if isfinite is not None else np.isfinite(feed).all()
-
-
-NON_FINITE = ("holds NaN or infinity, which an int8 graph cannot carry: it quantizes each activation per call "
-              "with one scale for the tensor, which a NaN escapes and an infinity makes infinite")
 
 
 def refusal(precision: str, device: str) -> str | None:
