@@ -40,9 +40,10 @@ def non_finite(precision: str, feeds: Sequence[Any]) -> int | None:
     overflows are looked at element by element)."""
     if precision not in FINITE_ONLY:
         return None
-    for i, feed in enumerate(feeds):
-        if _floating(feed) and not math.isfinite(float(feed.sum())) and not bool(_all_finite(feed)):
-            return i
+    with np.errstate(over="ignore"):  # an array's sum that overflows is looked at again, not warned about
+        for i, feed in enumerate(feeds):
+            if _floating(feed) and not math.isfinite(float(feed.sum())) and not bool(_all_finite(feed)):
+                return i
     return None
 
 
