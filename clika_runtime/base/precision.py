@@ -40,10 +40,9 @@ def non_finite(precision: str, feeds: Sequence[Any]) -> int | None:
     overflows are looked at element by element)."""
     if precision not in FINITE_ONLY:
         return None
-    with np.errstate(over="ignore"):  # an array's sum that overflows is looked at again, not warned about
-        for i, feed in enumerate(feeds):
-            if _floating(feed) and not math.isfinite(float(feed.sum())) and not bool(_all_finite(feed)):
-                return i
+    for i, feed in enumerate(feeds):
+        if _floating(feed) and not _finite(feed):
+            return i
     return None
 
 
@@ -55,9 +54,12 @@ def _floating(feed: Any) -> bool:
     return floating if floating is not None else bool(np.issubdtype(dtype, np.floating))
 
 
-def _all_finite(feed: Any) -> Any:
+def _finite(feed: Any) -> bool:
     isfinite = getattr(feed, "isfinite", None)  # a tensor's own (no numpy conversion)
-    return isfinite().all() if isfinite is not None else np.isfinite(feed).all()
+    if isfinite is not None:
+        return math.isfinite(float(feed.sum())) or bool(isfinite().all())
+    with np.errstate(over="ignore"):  # a sum that overflows is looked at again, not warned about
+        return math.isfinite(float(feed.sum())) or bool(np.isfinite(feed).all())
 
 
 def refusal(precision: str, device: str) -> str | None:
