@@ -520,3 +520,34 @@ def test_only_nan_or_infinity_sends_an_int8_call_eager():
     assert non_finite("int8", [torch.ones(2), torch.tensor([1.0, float("nan")])]) == 1
     assert non_finite("int8", [np.array([-np.inf], np.float16)]) == 0
     assert non_finite("fp32", [torch.tensor([float("nan")])]) is None  # fp32 graphs carry them as torch does
+
+
+def test_trap_int8_checks_a_call_wider_than_it_was_checked_on():
+    # Found by a new-user trial: int8 scales each activation per call by its whole tensor, so a
+    # batch with one row 100x louder than the capture's inputs served the other rows at cosine
+    # 0.14 (whole-batch cosine 0.9995), and longer sequences agreed less than the capture said.
+    # A call more than twice as wide (an axis, or an input's magnitude) is answered eagerly and
+    # the graph judged against it: agreeing, the graph serves such calls from then on; not, they
+    # run eagerly and a warning says so once.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 10)).eval()
+    counted = Counted(model)
+    f = cr.compile(counted, precision="int8", dynamic=True)
+    called(f, torch.randn(2, 64))
+    wide = torch.randn(16, 64)  # 8x the rows: checked once, then served
+    for expected_eager in (1, 0):
+        before = counted.calls
+        served, said = called(f, wide)
+        assert counted.calls == before + expected_eager and not said
+        assert cosine(served, model(wide).detach()) >= 0.999
+    loud = torch.randn(16, 64)
+    loud[0] *= 100
+    for first in (True, False):  # the other rows are eager's, not blurred by row 0's scale
+        before = counted.calls
+        served, said = called(f, loud)
+        with torch.inference_mode():
+            eager = model(loud)
+        assert counted.calls == before + 1 and torch.equal(served, eager)
+        assert len(said) == first and all("int8 agrees less with eager fp32 on a call wider" in w for w in said), said
+    assert f.captures[0].precision.startswith("int8")  # calls as wide as checked still serve in int8

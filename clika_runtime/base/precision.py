@@ -36,30 +36,26 @@ def non_finite(precision: str, feeds: Sequence[Any]) -> int | None:
     when a graph at ``precision`` cannot carry one; else ``None``. An int8 graph quantizes each
     activation per call with one scale for the tensor: the range it measures skips a NaN (which
     then comes out as a plausible number) and is made infinite by an inf (which makes every row
-    of the batch NaN). One sum per feed: a NaN or an infinity makes it so (finite values whose sum
-    overflows are looked at element by element)."""
+    of the batch NaN)."""
     if precision not in FINITE_ONLY:
         return None
-    for i, feed in enumerate(feeds):
-        if _floating(feed) and not _finite(feed):
-            return i
-    return None
+    return next((i for i, feed in enumerate(feeds) if not math.isfinite(magnitude(feed))), None)
 
 
-def _floating(feed: Any) -> bool:
+def magnitude(feed: Any) -> float:
+    """The largest absolute value of a float tensor or array (NaN when it holds one, inf for an
+    infinity; one reduction, which cannot overflow); 0.0 for anything else, or an empty one."""
     dtype = getattr(feed, "dtype", None)
-    if dtype is None:  # a Python number (a lifted size)
-        return False
+    if dtype is None or not _floating(dtype):
+        return 0.0
+    if hasattr(feed, "isfinite"):  # a tensor (torch's max lets a NaN through)
+        return float(feed.abs().amax()) if feed.numel() else 0.0
+    return float(np.abs(feed).max()) if feed.size else 0.0
+
+
+def _floating(dtype: Any) -> bool:
     floating = getattr(dtype, "is_floating_point", None)  # torch's dtypes say; numpy's are asked
     return floating if floating is not None else bool(np.issubdtype(dtype, np.floating))
-
-
-def _finite(feed: Any) -> bool:
-    isfinite = getattr(feed, "isfinite", None)  # a tensor's own (no numpy conversion)
-    if isfinite is not None:
-        return math.isfinite(float(feed.sum())) or bool(isfinite().all())
-    with np.errstate(over="ignore"):  # a sum that overflows is looked at again, not warned about
-        return math.isfinite(float(feed.sum())) or bool(np.isfinite(feed).all())
 
 
 def refusal(precision: str, device: str) -> str | None:
@@ -212,6 +208,20 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     if norms == 0.0:  # an all-zero side: agreement means both are zero
         return 1.0 if not a.any() and not b.any() else 0.0
     return float(np.clip(a @ b / norms, -1.0, 1.0))
+
+
+def worst_row_cosine(reference: np.ndarray, got: np.ndarray) -> float:
+    """The least cosine similarity of a row (along the last axis) of ``got`` with the reference's:
+    a whole-tensor cosine hides one row ruined beside loud ones (one scale per tensor does that)."""
+    if reference.ndim < 2 or reference.size == 0:
+        return _cosine(reference.reshape(-1), got.reshape(-1))
+    a = reference.reshape(-1, reference.shape[-1]).astype(np.float64)
+    b = got.reshape(-1, got.shape[-1]).astype(np.float64)
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    zero = norms == 0.0  # an all-zero side: agreement means both are zero
+    rows = np.where(zero, (~a.any(axis=1) & ~b.any(axis=1)).astype(np.float64),
+                    (a * b).sum(axis=1) / np.where(zero, 1.0, norms))
+    return float(np.clip(rows, -1.0, 1.0).min())
 
 
 def judged(agreement: Agreement, names: Sequence[str], reference: Sequence[Any], got: Sequence[Any]) -> tuple[list[Measured], str | None]:

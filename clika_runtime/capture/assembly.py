@@ -11,19 +11,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
-from clika_runtime.base.precision import FP32, Agreement, Record
+from clika_runtime.base.precision import FP32, Agreement, Record, worst_row_cosine
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.capture import closures
 from clika_runtime.capture.closures import Stats
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.value import Capture, examples
+from clika_runtime.capture.envelope import Envelope
 from clika_runtime.capture.verify import agreement_of, first_mismatch
 from clika_runtime.guards.guard import Guard
 from clika_runtime.shipped import graph as graph_mod
@@ -77,9 +78,10 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
     )
     made.phases["session"] = time.perf_counter() - started
     reduced = made.precision != FP32 and made.folder.opened == made.folder.reduced
+    envelope = Envelope(feeds, made.names, made.agreement, _shortfall) if reduced else None
     parts = closures.Parts(runner, out_spec, eager_leaves, made.constants, made.graph_leaves, made.scalar_out,
                            tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner,
-                           made.precision if reduced else FP32)
+                           made.precision if reduced else FP32, envelope)
     stats = Stats(phases=made.phases)
     run, flat = closures.closures(parts, made.guard, call.key, call.positions, stats)
     capture = Capture(
@@ -103,6 +105,25 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
     made.phases["verify"] = time.perf_counter() - started
     stats.hits = 0  # the verification run served no call
     return capture if record is None else replace(capture, precision=record)
+
+
+def _shortfall(names: Sequence[str], eager_leaves: list[Any], leaves: list[Any], agreement: Agreement) -> str | None:
+    """How a reduced-precision graph's answer to a wider call falls short of ``agreement`` with
+    eager's (None: it does not): as at capture, and each row's cosine too (a call as wide as it
+    was not checked on may hold one loud row that blurs the others, which the whole cannot show)."""
+    short = agreement_of(names, eager_leaves, leaves, agreement)[1]
+    if short is not None:
+        return short
+    for name, e, g in zip(names, eager_leaves, leaves):
+        if isinstance(e, torch.Tensor) and e.is_floating_point():
+            worst = worst_row_cosine(_float64(e), _float64(g))
+            if worst < agreement.cosine:
+                return f"output '{name}': a row's cosine {worst:.5f} < {agreement.cosine}"
+    return None
+
+
+def _float64(t: torch.Tensor) -> Any:
+    return t.detach().cpu().to(torch.float64).numpy()
 
 
 def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:

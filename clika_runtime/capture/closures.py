@@ -14,6 +14,7 @@ what the miss path would decide for a call it serves; whatever they decline goes
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -22,7 +23,8 @@ import optree
 import torch
 
 import serving
-from clika_runtime.base.precision import FINITE_ONLY, FP32, NON_FINITE, non_finite
+from clika_runtime.base.precision import FP32, NON_FINITE
+from clika_runtime.capture.envelope import Envelope, Wider, extent
 from clika_runtime.guards.guard import Guard
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey
@@ -82,6 +84,7 @@ class Parts:
     lift: tuple[int, ...]  # feed indices of lifted Python numbers (fed as int64 scalars)
     owner: torch.nn.Module | None = None
     precision: str = FP32  # what the runner's graph computes at
+    envelope: Envelope | None = None  # a reduced-precision graph's: the calls it was checked on
 
 
 def closures(
@@ -89,8 +92,8 @@ def closures(
 ) -> tuple[Callable[[Sequence[Any]], Any], Callable[[tuple], Any] | None]:
     """The capture's ``run`` and flat hit (``None`` when its key is not a flat call)."""
     run = _run(parts, stats)
-    if parts.precision in FINITE_ONLY:
-        run = _finite_only(run, parts.precision)
+    if parts.envelope is not None:
+        run = _reduced(run, parts.precision, parts.envelope)
     flat = _flat(key, positions, parts.owner, guard, run) if not parts.lift else None
     return run, flat
 
@@ -134,16 +137,26 @@ def _run(parts: Parts, stats: Stats) -> Callable[[Sequence[Any]], Any]:
     return run
 
 
-def _finite_only(run: Callable[[Sequence[Any]], Any], precision: str) -> Callable[[Sequence[Any]], Any]:
-    """``run``, raising ``NonFinite`` for feeds holding NaN or an infinity (``non_finite``)."""
+def _reduced(run: Callable[[Sequence[Any]], Any], precision: str, envelope: Envelope) -> Callable[[Sequence[Any]], Any]:
+    """``run`` for a reduced-precision graph: ``NonFinite`` for feeds holding NaN or an infinity
+    (``base.precision.non_finite``), ``Wider`` for feeds wider than those it was checked on
+    (``envelope``), with the graph's answer to judge by eager's while the envelope is open. One
+    reduction per float feed for both (its largest magnitude)."""
 
     def checked(feeds: Sequence[Any]) -> Any:
-        at = non_finite(precision, feeds)
+        spans = extent(feeds)
+        at = next((i for i, (_, largest) in enumerate(spans) if not math.isfinite(largest)), None)
         if at is not None:
             raise NonFinite(f"input {at} {NON_FINITE}")
+        if not envelope.holds(spans):
+            raise Wider(envelope.checker(spans, run(feeds)) if envelope.open else _unjudged)
         return run(feeds)
 
     return checked
+
+
+def _unjudged(eager_out: Any) -> None:
+    return None
 
 
 def _flat(

@@ -17,6 +17,7 @@ from clika_runtime.base.errors import PlaceError, StateError
 from clika_runtime.base.precision import FP32, Agreement, checked, refusal
 from clika_runtime.base.specs import DynamicAxes, PlaceLike, TensorSpec, resolve_place
 from clika_runtime.capture.closures import MISS, NonFinite, RunFailed
+from clika_runtime.capture.envelope import Wider
 from clika_runtime.capture.described import describe
 from clika_runtime.capture.plan import Options
 from clika_runtime.capture.target import Target
@@ -140,6 +141,8 @@ class CompiledFunction(Copies, Generic[P, R]):
                     return out
         except NonFinite:  # NaN or inf an int8 graph cannot carry: torch's answer, and the graph serves on
             return self._lifecycle.target.eager(args, kwargs)
+        except Wider as wider:  # wider than the int8 graph was checked on: torch's answer, the graph judged
+            return self._lifecycle.wider(wider, args, kwargs)
         except RunFailed as failed:
             return self._lifecycle.run_failed(failed, args, kwargs)
         except Exception as error:  # the library's own (the target does not run here): served eagerly

@@ -22,6 +22,7 @@ from clika_runtime.base.errors import CaptureError, VerificationError, first_lin
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
 from clika_runtime.capture.closures import NonFinite, RunFailed
+from clika_runtime.capture.envelope import Wider
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
 from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.capture.value import Capture
@@ -100,6 +101,15 @@ class Lifecycle(Fallbacks):
                     self.table = kept
             raise
 
+    def wider(self, wider: Wider, args: tuple, kwargs: dict) -> Any:
+        """A call wider than its int8 graph was checked on (``capture.envelope``): the target's
+        own answer, by which the graph's is judged (said once where it falls short)."""
+        out = self.target.eager(args, kwargs)
+        short = wider.judge(out)
+        if short is not None:
+            self._say_once(short)
+        return out
+
     def _recall(self) -> None:
         """Before a function's first capture: what an earlier process learned about it (read
         outside the lock: disk I/O), so its first capture is planned as the last one was."""
@@ -141,6 +151,8 @@ class Lifecycle(Fallbacks):
             out = capture.run(call.feeds)
         except NonFinite:  # NaN or inf an int8 graph cannot carry: torch's answer, and the graph serves on
             return self.target.eager(args, kwargs)
+        except Wider as wider:
+            return self.wider(wider, args, kwargs)
         except Exception as error:
             return self.run_failed(RunFailed(capture, error), args, kwargs)
         return out if capture.finish is None else capture.finish(out, *call.canonical)  # a KV cache written back

@@ -1,0 +1,76 @@
+"""The calls an int8 graph was checked on, and the check of a wider one.
+
+An int8 graph quantizes each activation per call with one scale for the whole tensor, so how
+closely it agrees with eager depends on the call: a longer sequence or a bigger batch widens the
+range one scale covers (an outlier feature meets more tokens), and one loud row coarsens every
+other row's products. Its agreement was measured on the capturing call only. A later call wider
+than those it was checked on (an axis more than ``GROWTH`` times as long, or a float input more
+than ``GROWTH`` times as large in magnitude) is answered eagerly and the graph's answer judged
+against eager's by the agreement the capture asked for: agreeing, the envelope widens to that
+call; not, wider calls run eagerly from then on, said once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from clika_runtime.base.precision import Agreement, magnitude
+from clika_runtime.trees import pytrees as trees
+
+GROWTH = 2.0  # how much wider than checked a call may be (a size, a magnitude) before it is checked
+
+Extent = tuple[tuple[tuple[int, ...], float], ...]  # per feed: its shape, its largest magnitude
+
+
+class Wider(Exception):
+    """A call wider than its int8 graph was checked on: eager answers it (``judge`` then tells
+    the envelope what the graph's answer was worth)."""
+
+    def __init__(self, judge: Callable[[Any], str | None]) -> None:
+        super().__init__("a call wider than the int8 graph was checked on")
+        self.judge = judge
+
+
+class Envelope:
+    """The widest call a capture's int8 graph agreed with eager on. Replaced whole on each change
+    (a reader in another thread sees the old bounds or the new ones)."""
+
+    def __init__(self, feeds: Sequence[Any], names: Sequence[str], agreement: Agreement,
+                 judged: Callable[[Sequence[str], list[Any], list[Any], Agreement], str | None]) -> None:
+        self._bounds = extent(feeds)
+        self._names, self._agreement, self._judged = list(names), agreement, judged
+        self.open = True  # False once the graph disagreed: wider calls then run eagerly without it
+
+    def holds(self, spans: Extent) -> bool:
+        """Whether a call of this ``extent`` is no wider than ``GROWTH`` times what was checked."""
+        return all(_within(call, bound) for call, bound in zip(spans, self._bounds))
+
+    def checker(self, spans: Extent, graph_out: Any) -> Callable[[Any], str | None]:
+        """The judge of the graph's answer ``graph_out`` to a call of this ``extent`` by eager's:
+        widens the envelope when they agree; else closes it and returns what to say."""
+
+        def judge(eager_out: Any) -> str | None:
+            short = self._judged(self._names, trees.flatten(eager_out)[0], trees.flatten(graph_out)[0], self._agreement)
+            if short is None:
+                self._bounds = tuple(_widest(a, b) for a, b in zip(self._bounds, spans))
+                return None
+            self.open = False
+            return (f"int8 agrees less with eager fp32 on a call wider than the one it was checked on ({short}): "
+                    "calls that wide run eagerly; capture int8 on a call as wide as those it serves")
+
+        return judge
+
+
+def extent(feeds: Sequence[Any]) -> Extent:
+    """Each feed's shape and largest magnitude (a Python number: no shape, its own size)."""
+    return tuple((tuple(getattr(f, "shape", ())), magnitude(f)) for f in feeds)
+
+
+def _within(call: tuple[tuple[int, ...], float], bound: tuple[tuple[int, ...], float]) -> bool:
+    (shape, largest), (checked, bound_largest) = call, bound
+    return (len(shape) == len(checked) and all(n <= GROWTH * max(c, 1) for n, c in zip(shape, checked))
+            and largest <= GROWTH * bound_largest)
+
+
+def _widest(a: tuple[tuple[int, ...], float], b: tuple[tuple[int, ...], float]) -> tuple[tuple[int, ...], float]:
+    return tuple(map(max, a[0], b[0])), max(a[1], b[1])
