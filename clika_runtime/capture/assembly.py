@@ -18,7 +18,7 @@ import torch
 import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
-from clika_runtime.base.precision import FP32, Agreement, Record, worst_row_cosine
+from clika_runtime.base.precision import FINITE_ONLY, FP32, Agreement, Record, worst_row_cosine
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.capture import closures
 from clika_runtime.capture.closures import Stats
@@ -78,7 +78,9 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
     )
     made.phases["session"] = time.perf_counter() - started
     reduced = made.precision != FP32 and made.folder.opened == made.folder.reduced
-    envelope = Envelope(feeds, made.names, made.agreement, _shortfall) if reduced else None
+    # int8 (one activation scale per tensor per call): NaN it cannot carry, calls wider than checked
+    int8 = reduced and made.precision in FINITE_ONLY
+    envelope = Envelope(feeds, made.names, made.agreement, _shortfall) if int8 else None
     parts = closures.Parts(runner, out_spec, eager_leaves, made.constants, made.graph_leaves, made.scalar_out,
                            tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner,
                            made.precision if reduced else FP32, envelope)

@@ -84,7 +84,7 @@ class Parts:
     lift: tuple[int, ...]  # feed indices of lifted Python numbers (fed as int64 scalars)
     owner: torch.nn.Module | None = None
     precision: str = FP32  # what the runner's graph computes at
-    envelope: Envelope | None = None  # a reduced-precision graph's: the calls it was checked on
+    envelope: Envelope | None = None  # an int8 graph's: the calls it was checked on
 
 
 def closures(
@@ -138,7 +138,7 @@ def _run(parts: Parts, stats: Stats) -> Callable[[Sequence[Any]], Any]:
 
 
 def _reduced(run: Callable[[Sequence[Any]], Any], precision: str, envelope: Envelope) -> Callable[[Sequence[Any]], Any]:
-    """``run`` for a reduced-precision graph: ``NonFinite`` for feeds holding NaN or an infinity
+    """``run`` for an int8 graph: ``NonFinite`` for feeds holding NaN or an infinity
     (``base.precision.non_finite``), ``Wider`` for feeds wider than those it was checked on
     (``envelope``), with the graph's answer to judge by eager's while the envelope is open. One
     reduction per float feed for both (its largest magnitude)."""
