@@ -22,9 +22,9 @@ from clika_runtime.base.precision import FINITE_ONLY, FP32, Agreement, Record, w
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.capture import closures
 from clika_runtime.capture.closures import Stats
+from clika_runtime.capture.envelope import Envelope
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.value import Capture, examples
-from clika_runtime.capture.envelope import Envelope
 from clika_runtime.capture.verify import agreement_of, first_mismatch
 from clika_runtime.guards.guard import Guard
 from clika_runtime.shipped import graph as graph_mod

@@ -62,7 +62,7 @@ class Envelope:
 
 
 def extent(feeds: Sequence[Any]) -> Extent:
-    """Each feed's shape and largest magnitude (a Python number: no shape, its own size)."""
+    """Each feed's shape and largest magnitude (a Python number, a lifted size: neither)."""
     return tuple((tuple(getattr(f, "shape", ())), magnitude(f)) for f in feeds)
 
 
