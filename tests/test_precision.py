@@ -551,3 +551,32 @@ def test_trap_int8_checks_a_call_wider_than_it_was_checked_on():
         assert counted.calls == before + 1 and torch.equal(served, eager)
         assert len(said) == first and all("int8 agrees less with eager fp32 on a call wider" in w for w in said), said
     assert f.captures[0].precision.startswith("int8")  # calls as wide as checked still serve in int8
+
+
+def test_trap_int8_judges_rows_by_their_error_not_by_a_one_value_cosine():
+    # Found by a trial of the envelope: a (N, 1) output's row cosine is its sign, so a prediction
+    # near 0 whose sign int8 flipped read -1 and closed the envelope; rows' errors are now judged
+    # against the row's norm, or the median row's where the row is smaller (near-zero outputs).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)).eval()
+    counted = Counted(model)
+    f = cr.compile(counted, precision="int8", dynamic=True)
+    called(f, torch.randn(32, 16))
+    hits = f.captures[0].hits
+    _, said = called(f, torch.randn(1000, 16))  # judged once (one graph run), and agreeing
+    assert not said and f.captures[0].hits == hits + 1
+    before = counted.calls
+    called(f, torch.randn(1000, 16))
+    assert counted.calls == before  # served by the graph
+
+
+def test_trap_an_int8_capture_from_a_call_with_a_loud_row_is_judged_by_rows():
+    # The capturing call is judged like a wider one: one loud row passed the whole tensor's cosine
+    # while the others were ruined, and the graph then served such batches.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).eval()
+    f = cr.compile(model, precision="int8")
+    loud = torch.randn(16, 64)
+    loud[0] *= 100
+    _, said = called(f, loud)
+    assert f.captures[0].precision.startswith("int8 not served, fp32 serves instead") and "rows' errors" in said[0]

@@ -18,7 +18,7 @@ import torch
 import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
-from clika_runtime.base.precision import FINITE_ONLY, FP32, Agreement, Record, worst_row_cosine
+from clika_runtime.base.precision import FINITE_ONLY, FP32, Agreement, Record, row_error, row_error_allowed
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.capture import closures
 from clika_runtime.capture.closures import Stats
@@ -110,17 +110,21 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
 
 
 def _shortfall(names: Sequence[str], eager_leaves: list[Any], leaves: list[Any], agreement: Agreement) -> str | None:
-    """How a reduced-precision graph's answer to a wider call falls short of ``agreement`` with
-    eager's (None: it does not): as at capture, and each row's cosine too (a call as wide as it
-    was not checked on may hold one loud row that blurs the others, which the whole cannot show)."""
+    """How an int8 graph's answer falls short of ``agreement`` with eager's (None: it does not):
+    the whole outputs, then its rows' errors (``row_error``): one loud row blurs the others
+    under one activation scale per tensor, which the whole cannot show."""
     short = agreement_of(names, eager_leaves, leaves, agreement)[1]
-    if short is not None:
-        return short
+    return short if short is not None else _rows_short(names, eager_leaves, leaves, agreement)
+
+
+def _rows_short(names: Sequence[str], eager_leaves: list[Any], leaves: list[Any], agreement: Agreement) -> str | None:
+    allowed = row_error_allowed(agreement.cosine)
     for name, e, g in zip(names, eager_leaves, leaves):
         if isinstance(e, torch.Tensor) and e.is_floating_point():
-            worst = worst_row_cosine(_float64(e), _float64(g))
-            if worst < agreement.cosine:
-                return f"output '{name}': a row's cosine {worst:.5f} < {agreement.cosine}"
+            error = row_error(_float64(e), _float64(g))
+            if error > allowed:
+                return (f"output '{name}': rows' errors up to {error:.4g} of their norms (nine in ten) > {allowed:.4g}, "
+                        f"what cosine {agreement.cosine} allows")
     return None
 
 
@@ -169,6 +173,8 @@ def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: 
     if agreement is None:
         return None
     measured, short = agreement_of(names, eager_leaves, leaves, agreement)
+    if not short and precision in FINITE_ONLY:  # judged as a wider call is (capture/envelope.py)
+        short = _rows_short(names, eager_leaves, leaves, agreement)
     if short:
         raise VerificationError(f"its agreement with eager fp32 is below the agreement asked for: {short}")
     return Record(precision, agreement, tuple(measured))

@@ -193,6 +193,8 @@ def _flat(
             return MISS
         try:
             return run(feeds)
+        except (NonFinite, Wider):  # served eagerly by the caller: not the graph's failure
+            raise
         except Exception:  # the general path decides again and handles the failure (re-capture)
             return MISS
 
@@ -214,6 +216,8 @@ def _one_tensor(owner: torch.nn.Module | None, training: bool | None, fits: Call
             return MISS
         try:
             return run(args)
+        except (NonFinite, Wider):  # served eagerly by the caller: not the graph's failure
+            raise
         except Exception:  # the general path decides again and handles the failure (re-capture)
             return MISS
 
