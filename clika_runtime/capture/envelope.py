@@ -6,8 +6,9 @@ range one scale covers (an outlier feature meets more tokens), and one loud row 
 other row's products. Its agreement was measured on the capturing call only. A later call wider
 than those it was checked on (an axis more than ``GROWTH`` times as long, or a float input more
 than ``GROWTH`` times as large in magnitude) is answered eagerly and the graph's answer judged
-against eager's by the agreement the capture asked for: agreeing, the envelope widens to that
-call; not, wider calls run eagerly from then on, said once.
+against eager's by the agreement the capture asked for, its rows' errors included
+(``capture.assembly._shortfall``): agreeing, the envelope widens to that call; not, wider calls
+run eagerly from then on, said once.
 """
 
 from __future__ import annotations
