@@ -82,8 +82,7 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
     int8 = reduced and made.precision in FINITE_ONLY
     envelope = Envelope(feeds, made.names, made.agreement, _shortfall) if int8 else None
     parts = closures.Parts(runner, out_spec, eager_leaves, made.constants, made.graph_leaves, made.scalar_out,
-                           tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner,
-                           made.precision if reduced else FP32, envelope)
+                           tuple(i for i, p in enumerate(call.positions) if p in call.lifted), owner, envelope)
     stats = Stats(phases=made.phases)
     run, flat = closures.closures(parts, made.guard, call.key, call.positions, stats)
     capture = Capture(

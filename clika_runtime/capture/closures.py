@@ -23,8 +23,8 @@ import optree
 import torch
 
 import serving
-from clika_runtime.base.precision import FP32, NON_FINITE
-from clika_runtime.capture.envelope import Envelope, Wider, extent
+from clika_runtime.base.precision import NON_FINITE
+from clika_runtime.capture.envelope import Eagerly, Envelope, extent
 from clika_runtime.guards.guard import Guard
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey
@@ -58,11 +58,6 @@ _Tensor = torch.Tensor
 _CONSTANTS = (type(None), bool, int, str)
 
 
-class NonFinite(Exception):
-    """A float input holds NaN or an infinity, which the capture's graph cannot carry (int8): the
-    call runs eagerly, and the graph serves on."""
-
-
 class RunFailed(Exception):
     """A graph failed on inputs its guard accepted."""
 
@@ -83,7 +78,6 @@ class Parts:
     scalar_out: dict[int, type]  # of those, the Python numbers (sizes) returned as numbers
     lift: tuple[int, ...]  # feed indices of lifted Python numbers (fed as int64 scalars)
     owner: torch.nn.Module | None = None
-    precision: str = FP32  # what the runner's graph computes at
     envelope: Envelope | None = None  # an int8 graph's: the calls it was checked on
 
 
@@ -93,7 +87,7 @@ def closures(
     """The capture's ``run`` and flat hit (``None`` when its key is not a flat call)."""
     run = _run(parts, stats)
     if parts.envelope is not None:
-        run = _reduced(run, parts.precision, parts.envelope)
+        run = _reduced(run, parts.envelope)
     flat = _flat(key, positions, parts.owner, guard, run) if not parts.lift else None
     return run, flat
 
@@ -137,26 +131,22 @@ def _run(parts: Parts, stats: Stats) -> Callable[[Sequence[Any]], Any]:
     return run
 
 
-def _reduced(run: Callable[[Sequence[Any]], Any], precision: str, envelope: Envelope) -> Callable[[Sequence[Any]], Any]:
-    """``run`` for an int8 graph: ``NonFinite`` for feeds holding NaN or an infinity
-    (``base.precision.non_finite``), ``Wider`` for feeds wider than those it was checked on
-    (``envelope``), with the graph's answer to judge by eager's while the envelope is open. One
-    reduction per float feed for both (its largest magnitude)."""
+def _reduced(run: Callable[[Sequence[Any]], Any], envelope: Envelope) -> Callable[[Sequence[Any]], Any]:
+    """``run`` for an int8 graph, raising ``Eagerly`` for feeds holding NaN or an infinity
+    (``base.precision.non_finite``) and for feeds wider than those it was checked on
+    (``envelope``: with the graph's answer to judge while the envelope is open). One reduction per
+    float feed for both (its largest magnitude)."""
 
     def checked(feeds: Sequence[Any]) -> Any:
         spans = extent(feeds)
         at = next((i for i, (_, largest) in enumerate(spans) if not math.isfinite(largest)), None)
         if at is not None:
-            raise NonFinite(f"input {at} {NON_FINITE}")
+            raise Eagerly(f"input {at} {NON_FINITE}")
         if not envelope.holds(spans):
-            raise Wider(envelope.checker(spans, run(feeds)) if envelope.open else _unjudged)
+            raise Eagerly("wider than checked", envelope.checker(spans, run(feeds)) if envelope.open else None)
         return run(feeds)
 
     return checked
-
-
-def _unjudged(eager_out: Any) -> None:
-    return None
 
 
 def _flat(
@@ -193,7 +183,7 @@ def _flat(
             return MISS
         try:
             return run(feeds)
-        except (NonFinite, Wider):  # served eagerly by the caller: not the graph's failure
+        except Eagerly:  # answered by the target: not the graph's failure
             raise
         except Exception:  # the general path decides again and handles the failure (re-capture)
             return MISS
@@ -216,7 +206,7 @@ def _one_tensor(owner: torch.nn.Module | None, training: bool | None, fits: Call
             return MISS
         try:
             return run(args)
-        except (NonFinite, Wider):  # served eagerly by the caller: not the graph's failure
+        except Eagerly:  # answered by the target: not the graph's failure
             raise
         except Exception:  # the general path decides again and handles the failure (re-capture)
             return MISS

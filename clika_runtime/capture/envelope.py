@@ -23,12 +23,13 @@ GROWTH = 2.0  # how much wider than checked a call may be (a size, a magnitude) 
 Extent = tuple[tuple[tuple[int, ...], float], ...]  # per feed: its shape, its largest magnitude
 
 
-class Wider(Exception):
-    """A call wider than its int8 graph was checked on: eager answers it (``judge`` then tells
-    the envelope what the graph's answer was worth)."""
+class Eagerly(Exception):
+    """A call an int8 graph does not answer: one holding NaN or an infinity, which it cannot carry,
+    or one wider than it was checked on. The target answers it, the graph is kept; ``judge``, when
+    there is one, then weighs the graph's answer by eager's (``Envelope.checker``)."""
 
-    def __init__(self, judge: Callable[[Any], str | None]) -> None:
-        super().__init__("a call wider than the int8 graph was checked on")
+    def __init__(self, why: str, judge: Callable[[Any], str | None] | None = None) -> None:
+        super().__init__(why)
         self.judge = judge
 
 

@@ -16,8 +16,8 @@ import serving
 from clika_runtime.base.errors import PlaceError, StateError
 from clika_runtime.base.precision import FP32, Agreement, checked, refusal
 from clika_runtime.base.specs import DynamicAxes, PlaceLike, TensorSpec, resolve_place
-from clika_runtime.capture.closures import MISS, NonFinite, RunFailed
-from clika_runtime.capture.envelope import Wider
+from clika_runtime.capture.closures import MISS, RunFailed
+from clika_runtime.capture.envelope import Eagerly
 from clika_runtime.capture.described import describe
 from clika_runtime.capture.plan import Options
 from clika_runtime.capture.target import Target
@@ -127,10 +127,7 @@ class CompiledFunction(Copies, Generic[P, R]):
         table = self._lifecycle.table
         try:  # (free until something raises)
             if table.state is _COMPILED and table.fresh():  # a graph may serve, and its weights are current
-                if kwargs:
-                    args_, kwargs_ = self._forms(args, kwargs)
-                else:
-                    args_, kwargs_ = args, kwargs
+                args_, kwargs_ = self._forms(args, kwargs) if kwargs else (args, kwargs)
                 flat = table.flat
                 if flat is not None and not kwargs_:
                     out = flat(args_)
@@ -139,10 +136,8 @@ class CompiledFunction(Copies, Generic[P, R]):
                 out = _general(table, args_, kwargs_, self._shapes_in_key, self._owner)
                 if out is not _MISS:
                     return out
-        except NonFinite:  # NaN or inf an int8 graph cannot carry: torch's answer, and the graph serves on
-            return self._lifecycle.target.eager(args, kwargs)
-        except Wider as wider:  # wider than the int8 graph was checked on: torch's answer, the graph judged
-            return self._lifecycle.wider(wider, args, kwargs)
+        except Eagerly as eagerly:  # an int8 graph's call it does not answer: torch's answer, the graph kept
+            return self._lifecycle.eagerly(eagerly, args, kwargs)
         except RunFailed as failed:
             return self._lifecycle.run_failed(failed, args, kwargs)
         except Exception as error:  # the library's own (the target does not run here): served eagerly

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clika_runtime.capture.closures import MISS, NO_LIFT, NonFinite, RunFailed
-from clika_runtime.capture.envelope import Wider
+from clika_runtime.capture.closures import MISS, NO_LIFT, RunFailed
+from clika_runtime.capture.envelope import Eagerly
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey, Unkeyable, split
 
@@ -21,8 +21,8 @@ _grad_enabled = torch.is_grad_enabled
 
 def general(table: "CacheTable", args: tuple, kwargs: dict, with_shapes: bool, owner: torch.nn.Module | None) -> Any:
     """The hit for any call: flatten, key, lookup, guard, run. ``MISS`` when no capture serves it;
-    raises ``RunFailed`` when a graph fails on inputs its guard accepted, ``NonFinite`` for inputs
-    an int8 graph cannot carry, ``Wider`` for calls wider than it was checked on."""
+    raises ``RunFailed`` when a graph fails on inputs its guard accepted, ``Eagerly`` for a call
+    an int8 graph does not answer (``capture.envelope``)."""
     leaves, spec = trees.flatten((args, kwargs))
     lifted = table.knowledge.lifted.get(spec, NO_LIFT) if table.knowledge.lifted else NO_LIFT
     try:
@@ -36,7 +36,7 @@ def general(table: "CacheTable", args: tuple, kwargs: dict, with_shapes: bool, o
         if capture.guard.fits(feeds):
             try:
                 out = capture.run(feeds)
-            except (NonFinite, Wider):  # the caller serves it eagerly: not the graph's failure
+            except Eagerly:  # answered by the target: not the graph's failure
                 raise
             except Exception as error:
                 raise RunFailed(capture, error) from error

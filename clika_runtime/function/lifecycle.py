@@ -21,8 +21,8 @@ from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
-from clika_runtime.capture.closures import NonFinite, RunFailed
-from clika_runtime.capture.envelope import Wider
+from clika_runtime.capture.closures import RunFailed
+from clika_runtime.capture.envelope import Eagerly
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
 from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.capture.value import Capture
@@ -101,11 +101,11 @@ class Lifecycle(Fallbacks):
                     self.table = kept
             raise
 
-    def wider(self, wider: Wider, args: tuple, kwargs: dict) -> Any:
-        """A call wider than its int8 graph was checked on (``capture.envelope``): the target's
-        own answer, by which the graph's is judged (said once where it falls short)."""
+    def eagerly(self, eagerly: Eagerly, args: tuple, kwargs: dict) -> Any:
+        """A call an int8 graph does not answer (``capture.envelope``): the target's own answer,
+        by which the graph's is judged where there is a judge (said once where it falls short)."""
         out = self.target.eager(args, kwargs)
-        short = wider.judge(out)
+        short = eagerly.judge(out) if eagerly.judge is not None else None
         if short is not None:
             self._say_once(short)
         return out
@@ -149,10 +149,8 @@ class Lifecycle(Fallbacks):
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
             out = capture.run(call.feeds)
-        except NonFinite:  # NaN or inf an int8 graph cannot carry: torch's answer, and the graph serves on
-            return self.target.eager(args, kwargs)
-        except Wider as wider:
-            return self.wider(wider, args, kwargs)
+        except Eagerly as eagerly:
+            return self.eagerly(eagerly, args, kwargs)
         except Exception as error:
             return self.run_failed(RunFailed(capture, error), args, kwargs)
         return out if capture.finish is None else capture.finish(out, *call.canonical)  # a KV cache written back
