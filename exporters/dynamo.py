@@ -17,7 +17,7 @@ import torch
 from torch.export import Dim
 
 from exporters import conditions as conds
-from exporters import fusion, graph_edits, nan_guard, translations
+from exporters import fusion, graph_edits, nan_guard, translations, transposes
 from exporters.dtypes import onnx_dtype
 from exporters.quiet import quiet
 
@@ -333,6 +333,7 @@ def _edited(
     graph_edits.pin_dims(model, _pinned(program.exported_program))
     graph_edits.pin_derived_inputs(model, examples)
     graph_edits.widen_indices(model)
+    transposes.fold_key_transposes(model.graph)
     declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
     renames = graph_edits.name_dims(model, declared, output_dims, number_symbols)
     if guard_nan:

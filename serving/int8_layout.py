@@ -8,9 +8,6 @@ the exported transformer and Optimum's int8 export does not do, or does less of:
   code: 0.67 ms per layer at (1, 128, 768) against 0.28 ms for ``Sum`` + ``LayerNormalization``
   (2.2-3.7x at BERT-base's sizes, 2 threads). Optimum's export escapes half of these fusions (the
   shapes it leaves unknown), ours escaped none;
-- torchlib's transpose of attention's keys (reshape to 3-D, ``Transpose``, reshape back, with the
-  shapes computed by a dozen ``Shape``/``Slice``/``Concat``) becomes one ``Transpose``, which
-  onnxruntime merges with the heads' transpose before it (one copy per layer instead of two);
 - torchlib's scalings of the queries and keys by the square root of the softmax scale go into the
   weights of their projections: two passes per layer fewer;
 - attention's mask add and the product that zeroes the rows the mask hides
@@ -43,91 +40,6 @@ def residual_adds_as_sums(graph: Any) -> int:
             node.op_type = "Sum"
             count += 1
     return count
-
-
-def key_transposes_folded(graph: Any, ranks: dict[str, int]) -> int:
-    """Replace ``Reshape(Transpose(Reshape(x, [-1, L, E]), [0, 2, 1]), [*batch, E, L])`` (torchlib's
-    key transpose, shapes read from ``Shape(x)``) by ``Transpose(x)`` of its last two axes.
-    ``ranks``: the ranks shape inference found. Returns how many."""
-    from onnx import helper
-
-    produced = {o: n for n in graph.node for o in n.output}
-    constants = {t.name: t for t in graph.initializer}
-    nodes, count = [], 0
-    for node in graph.node:
-        source = _key_transpose_source(node, produced, constants, ranks)
-        if source is None:
-            nodes.append(node)
-            continue
-        rank = ranks[source]
-        nodes.append(helper.make_node("Transpose", [source], [node.output[0]], name=f"{node.name}_transpose",
-                                      perm=[*range(rank - 2), rank - 1, rank - 2]))
-        count += 1
-    if count:
-        del graph.node[:]
-        graph.node.extend(nodes)
-        dead_nodes_dropped(graph)  # the reshapes and shape ops replaced
-    return count
-
-
-def _key_transpose_source(node: Any, produced: dict[str, Any], constants: dict[str, Any],
-                          ranks: dict[str, int]) -> str | None:
-    """``x`` when ``node`` is the outer ``Reshape`` of torchlib's key transpose of ``x``, else None."""
-    if node.op_type != "Reshape" or node.domain or _attribute(node, "allowzero", 0):
-        return None
-    transpose = produced.get(node.input[0])
-    if transpose is None or transpose.op_type != "Transpose" or list(_attribute(transpose, "perm", [])) != [0, 2, 1]:
-        return None
-    inner = produced.get(transpose.input[0])
-    if inner is None or inner.op_type != "Reshape" or inner.domain or _attribute(inner, "allowzero", 0):
-        return None
-    source = inner.input[0]
-    rank = ranks.get(source, 0)
-    if rank < 3:
-        return None
-    squeezed = _concatenated(inner.input[1], produced)
-    restored = _concatenated(node.input[1], produced)
-    if squeezed is None or restored is None or len(squeezed) != 3 or len(restored) != 3:
-        return None
-    batch, last, second_last = (0, rank - 2), (rank - 1, rank), (rank - 2, rank - 1)
-    minus_one = constants.get(squeezed[0])
-    if minus_one is None or _values(minus_one) != [-1]:
-        return None
-    wanted = [(squeezed[1], second_last), (squeezed[2], last), (restored[0], batch), (restored[1], last),
-              (restored[2], second_last)]
-    if all(_slice_of_shape(name, produced, constants, rank) == (source, span) for name, span in wanted):
-        return source
-    return None
-
-
-def _slice_of_shape(name: str, produced: dict[str, Any], constants: dict[str, Any], rank: int
-                    ) -> tuple[str, tuple[int, int]] | None:
-    """``(x, (start, end))`` when ``name`` is ``Slice(Shape(x), start, end)`` with constant bounds,
-    on axis 0 and step 1, the bounds normalised to ``rank``."""
-    node = produced.get(name)
-    if node is None or node.op_type != "Slice" or node.domain or not 3 <= len(node.input) <= 5:
-        return None
-    shape = produced.get(node.input[0])
-    if shape is None or shape.op_type != "Shape" or shape.domain or _attribute(shape, "start", 0) or \
-            _attribute(shape, "end", None) is not None:
-        return None
-    if any(n and n not in constants for n in node.input[1:]):
-        return None  # a bound computed at run time
-    starts, ends, axes, steps = (_values(constants[n]) if n else None for n in [*node.input[1:], "", ""][:4])
-    if len(starts) != 1 or len(ends) != 1 or axes not in (None, [0], [-1]) or steps not in (None, [1]):
-        return None
-    return shape.input[0], (_clamped(starts[0], rank), _clamped(ends[0], rank))
-
-
-def _clamped(index: int, rank: int) -> int:
-    return min(max(index + rank if index < 0 else index, 0), rank)
-
-
-def _concatenated(name: str, produced: dict[str, Any]) -> list[str] | None:
-    node = produced.get(name)
-    if node is None or node.op_type != "Concat" or node.domain or _attribute(node, "axis", None) not in (0, -1):
-        return None
-    return list(node.input)
 
 
 def scalings_folded(graph: Any) -> int:

@@ -54,7 +54,6 @@ def quantize_int8(source: str, target: str, per_channel: bool = True, activation
     graph = model.graph
     _gemms_as_matmuls(graph)
     types = _value_types(model)  # laid out before quantizing: a weight a scaling folds into is quantized scaled
-    int8_layout.key_transposes_folded(graph, {name: rank for name, (_, rank) in types.items() if rank is not None})
     int8_layout.scalings_folded(graph)
     int8_layout.residual_adds_as_sums(graph)
     if not activation_products:  # products in an If stay fp32

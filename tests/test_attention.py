@@ -128,6 +128,19 @@ def test_the_served_graph_is_fused_and_the_graph_handed_out_is_portable(fused_be
     assert {node.domain for node in shipped.graph.node} <= {"", "ai.onnx"}
 
 
+def test_each_attentions_keys_are_transposed_by_one_node(bert, tmp_path):
+    """torchlib transposes attention's keys through a 3-D reshape, its shapes cut from ``Shape``
+    (nine nodes); the graph handed out does it with one ``Transpose`` per attention
+    (exporters/transposes.py), and serves eager's numbers (the fixtures' tests)."""
+    _, f = bert
+    graph = onnx.load(str(f.take_graph().save(tmp_path / "bert.onnx"))).graph
+    swaps = [n for n in graph.node if n.op_type == "Transpose"
+             and list(onnx.helper.get_attribute_value(n.attribute[0])) == [0, 1, 3, 2]]
+    assert len(swaps) == 2  # one per layer
+    keys = {n.input[0] for n in swaps}
+    assert not [n for n in graph.node if n.op_type == "Shape" and n.input[0] in keys]  # their shapes unread
+
+
 def test_graphs_without_a_fusion_are_served_from_their_portable_file():
     f = cr.compile(torch.nn.Linear(4, 3).eval())
     with torch.no_grad():
