@@ -61,6 +61,36 @@ def test_changed_weights_are_never_served_stale(change, changed):
     assert f.recapture_count == 1 and f.state is State.Compiled
 
 
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam", "AdamW", "Adagrad"])
+def test_trap_a_fused_optimizers_step_is_seen(optimizer):
+    """torch's fused optimizers (``fused=True``) write the parameters through their kernels'
+    pointers and move no version counter: the graph served the weights of before the step."""
+    model = Net().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    _served_and_eager(f, model, x)
+    step = getattr(torch.optim, optimizer)(model.parameters(), lr=0.1, fused=True)
+    for _ in range(2):  # the second step changes a capture made after the first
+        model(x).sum().backward()
+        step.step()
+        step.zero_grad()
+        got, expected = _served_and_eager(f, model, x)
+        torch.testing.assert_close(got, expected)
+    assert f.recapture_count == 2 and all(r.startswith("weights changed:") for r in f.recapture_reasons)
+
+
+def test_an_optimizer_step_that_moves_nothing_keeps_the_graph():
+    """Parameters without a gradient are not stepped: the graph stays."""
+    model = Net().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    _served_and_eager(f, model, x)
+    torch.optim.Adam(model.parameters(), fused=True).step()  # no gradients yet
+    got, expected = _served_and_eager(f, model, x)
+    torch.testing.assert_close(got, expected)
+    assert f.recapture_count == 0
+
+
 def test_an_unrelated_registration_keeps_the_graph():
     model = Net().eval()
     f = cr.compile(model)

@@ -6,7 +6,8 @@ update (``p.mul_(3)`` under ``no_grad``), ``p.data = ...``, a re-registered para
 submodule, or a rebound closed-over tensor, that copy is stale. What each of those changes:
 
 - in-place writes bump the tensor's version counter (``_version``), which only ever grows: the
-  sum of the versions equals the sum at capture exactly when none moved;
+  sum of the versions equals the sum at capture exactly when none moved (a fused optimizer's
+  step, which moves none, is made to: ``_stepped``);
 - ``p.data = ...`` keeps the version but moves ``data_ptr()``; a detached view of the old
   storage is held, so the old address cannot be reused by a new tensor and read as unchanged;
 - assigning a parameter, buffer or submodule runs torch's global registration hooks, which bump
@@ -39,7 +40,8 @@ def _bump(*_: Any) -> None:
 
 
 def watch_registrations() -> None:
-    """Install torch's global registration hooks once per process (they only count)."""
+    """Install, once per process, torch's global registration hooks (they only count) and an
+    optimizer step hook that makes a fused step visible (``_stepped``)."""
     global _hooked
     if _hooked:
         return
@@ -50,7 +52,22 @@ def watch_registrations() -> None:
         hook = getattr(module, register, None)
         if hook is not None:  # older torch: re-registration is then seen through data_ptr only
             hook(_bump)
+    from torch.optim import optimizer
+
+    optimizer.register_optimizer_step_post_hook(_stepped)
     _hooked = True
+
+
+def _stepped(step: Any, *_: Any) -> None:
+    """After any optimizer's step: the version of each parameter it stepped (those with a
+    gradient) moves. torch's fused optimizers (``fused=True``) write parameters through their
+    kernels' pointers and move none (torch 2.13), so a graph would serve the weights of before the
+    step; a step that moved them already moves them once more, which changes nothing but the count
+    (torch's ``increment_version`` is there for kernels that write behind autograd's back)."""
+    stepped = [p for group in step.param_groups for p in group["params"]
+               if isinstance(p, torch.Tensor) and p.grad is not None]
+    if stepped:
+        torch.autograd.graph.increment_version(stepped)
 
 
 @dataclass(frozen=True)
