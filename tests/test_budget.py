@@ -11,6 +11,7 @@ from conftest import Counted
 import clika_runtime as cr
 
 Fallback = cr.CompiledFunction.State.Fallback
+State = cr.CompiledFunction.State
 
 
 def _act(x: torch.Tensor, mode: str) -> torch.Tensor:
@@ -80,10 +81,19 @@ def test_more_keys_in_rotation_than_the_cache_holds_says_to_raise_cache_size():
 
 
 def test_drift_still_spends_it():
+    """Past the budget, a size no graph of its key was traced for runs eagerly; the key's graph
+    keeps serving the sizes it was traced for (torch.compile's behaviour past its cache limit)."""
     cr.config.recapture_limit = 1
-    f = cr.compile(lambda x: x.sum(0) if x.shape[0] > 3 else x.sum(1))
-    with torch.no_grad(), pytest.warns(UserWarning, match=r"re-capture limit \(1\) reached; .*spent by 1 shape drift$"):
+    target = Counted(lambda x: x.sum(0) if x.shape[0] > 3 else x.sum(1))
+    f = cr.compile(target)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"re-capture limit \(1\) reached: calls at sizes no graph "
+                                                           r"of their key was traced for run eagerly.*spent by 1 shape drift"):
         for n in (2, 3, 5):  # 2 -> 3: drift makes axis 0 dynamic; 5: the other side of the branch
             x = torch.randn(n, 4)
             torch.testing.assert_close(f(x), x.sum(0) if n > 3 else x.sum(1))
-    assert f.state is Fallback and f.recapture_count == 1
+    assert f.state is State.Compiled and f.recapture_count == 1
+    calls = target.calls
+    with torch.no_grad():
+        torch.testing.assert_close(f(torch.ones(3, 4)), torch.ones(3, 4).sum(1))  # served by its graph
+        torch.testing.assert_close(f(torch.ones(6, 4)), torch.ones(6, 4).sum(0))  # eager
+    assert target.calls == calls + 1

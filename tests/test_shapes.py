@@ -75,7 +75,8 @@ def test_dynamic_true_keeps_axes_the_exporter_proves_static_guarded():
     g(torch.randn(4, 3))
     x = torch.randn(5, 3)
     torch.testing.assert_close(g(x), x.mean(0))  # drift on the pinned axis: re-captured, right branch
-    assert g.recapture_reasons == ["shape drift: input 'x' axis 0: 4 -> 5"]
+    assert g.recapture_reasons == ["shape drift: input 'x' axis 0: 4 -> 5 (an axis the exporter traces at one size "
+                                   "only: a graph for this size beside the others)"]
     x = torch.randn(4, 2)
     torch.testing.assert_close(g(x), by_rows(x))
 
@@ -358,3 +359,46 @@ def test_trap_sizes_0_and_1_on_two_dynamic_axes_settle_instead_of_recapturing_fo
                     x = torch.randn(batch, length, 4)
                     torch.testing.assert_close(f(x), model(x))
     assert f.state is State.Compiled and f.recapture_count == captured, f.recapture_reasons
+
+
+class _Recurrent(torch.nn.Module):
+    """A cell stepped over the sequence in Python: torch.export unrolls the loop, so the sequence
+    axis is traced at one size whatever it is asked (as it does for ``nn.GRU``'s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = torch.nn.GRUCell(4, 5)
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], 5)
+        for t in range(x.shape[1]):
+            h = self.cell(x[:, t], h)
+        return h
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_trap_an_axis_the_exporter_traces_at_one_size_serves_per_size_and_never_falls_back(dynamic):
+    """Each re-capture for a drifted sequence length came back static again, replaced the graph
+    before it, and spent the budget: after eight lengths the function fell back to eager for
+    good. Now each length gets a graph beside the others; past the budget, a new length runs
+    eagerly (said once) while the lengths with graphs stay served."""
+    model = _Recurrent().eval()
+    target = Counted(model)
+    f = cr.compile(target, dynamic=dynamic)
+    lengths = list(range(2, 2 + cr.config.recapture_limit + 3))
+    with torch.no_grad(), pytest.warns(UserWarning, match="re-capture limit") as said:
+        for length in lengths:
+            x = torch.randn(3, length, 4)
+            torch.testing.assert_close(f(x), model(x))
+    assert f.state is State.Compiled and f.fallback_reason is None
+    assert sum("re-capture limit" in str(w.message) for w in said) == 1
+    pinned = f.recapture_reasons[1:] if dynamic is None else f.recapture_reasons  # None: the first asks dynamic
+    assert pinned and all("traces at one size only" in r for r in pinned), f.recapture_reasons
+    kept = [c.inputs[0].shape[1] for c in f.captures]
+    assert len(kept) == cr.config.cache_size and len(set(kept)) == len(kept)
+    before = target.calls
+    with torch.no_grad():
+        for length in kept:  # served by their graphs
+            x = torch.randn(3, length, 4)
+            torch.testing.assert_close(f(x), model(x))
+    assert target.calls == before

@@ -72,6 +72,8 @@ class Lifecycle(Fallbacks):
         if isinstance(decision, Serve):
             return self._serve(decision.capture, call, args, kwargs)
         if isinstance(decision, Eager):
+            if decision.why is not None:
+                self._say_once(decision.why)
             return self.target.eager(args, kwargs)
         if isinstance(decision, GiveUp):
             return self._give_up(decision.why, generation, lambda: self.target.eager(args, kwargs))

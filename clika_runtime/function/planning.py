@@ -114,11 +114,12 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     found = [(c, c.guard.mismatches(call.feeds)) for c in reversed(variants)]  # newest first
     declared = declared_axes(call, options)
     for capture, problems in found:
-        if {p.kind for p in problems} <= VARIANT_KINDS:
+        pinned = _pinned(capture, problems, call)
+        if {p.kind for p in problems} <= VARIANT_KINDS or pinned:
             point = capture.guard.point(call.feeds)
             if (call.key, point) in table.refused:
                 return Eager()  # its variant failed: said when it did
-            plan = CapturePlan(call, capture.dynamic, declared, _words(problems), variant=True,
+            plan = CapturePlan(call, capture.dynamic, declared, _words(problems, pinned), variant=True,
                                untied=table.knowledge.untied, spends=not _small_sizes(problems), point=point)
             return _budgeted(table, plan)
     capture, problems = min(found, key=lambda pair: (sum(p.kind != "size" for p in pair[1]),
@@ -136,10 +137,24 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     return _budgeted(table, plan)
 
 
-def _words(problems: Sequence[Any]) -> str:
+def _words(problems: Sequence[Any], pinned: bool = False) -> str:
     """The first few mismatches in words (a Swin window's conditions come by the dozen)."""
+    if pinned:
+        return "; ".join(f"shape drift: input '{p.input}' axis {p.axis}: {p.expected} -> {p.got} (an axis the "
+                         "exporter traces at one size only: a graph for this size beside the others)"
+                         for p in problems if p.kind == "size")
     text = "; ".join(str(p) for p in problems[:3])
     return text + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+
+
+def _pinned(capture: "Capture", problems: Sequence[Any], call: Call) -> bool:
+    """Whether a call lies outside a capture only by sizes on axes the capture asked the exporter
+    to keep dynamic and it traced static (torch.export specialises a sequence an RNN or a Python
+    loop walks, and a size a branch compares): another re-capture would pin it again, so each
+    size gets a variant of its own, beside the others, as torch.compile re-compiles per size."""
+    sized = [p for p in problems if p.kind == "size"]
+    return len(sized) == len(problems) > 0 and all(
+        p.axis in capture.dynamic[call.names.index(p.input)] for p in sized)
 
 
 def _small_sizes(problems: Sequence[Any]) -> bool:
@@ -164,6 +179,9 @@ def _split(capture: "Capture", problems: Sequence[Any], call: Call) -> frozenset
 def _budgeted(table: CacheTable, plan: CapturePlan) -> Decision:
     limit = config.recapture_limit
     if plan.reason is not None and len(table.spent) >= limit:  # past that much waste, every re-capture stops
+        if plan.variant:  # the key's graphs keep serving the sizes they were traced for, as torch.compile's
+            return Eager(f"re-capture limit ({limit}) reached: calls at sizes no graph of their key was traced "
+                         f"for run eagerly, the others are served (spent by {_spent(table.spent)})")
         hint = ("; a number that varies between calls feeds the graph when passed as a tensor "
                 "(torch.tensor(value))") if plan.spends and plan.reason.startswith("static value changed") else ""
         return GiveUp(f"re-capture limit ({limit}) reached; last: {plan.reason}{hint}; spent by {_spent(table.spent)}")
