@@ -234,9 +234,27 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
             )
     except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
         raise RuntimeError(root_cause(e)) from e
+    _tensors_forgotten(program.exported_program)
     _refuse_state_writes(program.exported_program, owner)
     _refuse_random(program.exported_program, owner)
     return program
+
+
+def _tensors_forgotten(program: Any) -> None:
+    """Drop the weak references the export's fake tensor mode keeps to the real tensors it
+    described (the parameters, the example inputs). The mode outlives the export (torch's and
+    onnxscript's globals keep its last trace reachable), and ``torch.utils.swap_tensors`` refuses
+    a tensor with a weak reference: ``model.to(...)`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` raised after a capture. The
+    trace is done with them; only its lookups from a real tensor to its description go."""
+    modes = {id(mode): mode for node in program.graph.nodes
+             if (mode := getattr(node.meta.get("val"), "fake_mode", None)) is not None}
+    for mode in modes.values():
+        describer = getattr(getattr(getattr(mode, "fake_tensor_converter", None), "meta_converter", None),
+                            "describer", None)
+        for lookup in (getattr(describer, "lookup_tensor", None), getattr(describer, "lookup_storage", None)):
+            if lookup is not None:
+                lookup.clear()
 
 
 @contextlib.contextmanager

@@ -91,6 +91,21 @@ def test_an_optimizer_step_that_moves_nothing_keeps_the_graph():
     assert f.recapture_count == 0
 
 
+def test_trap_parameters_stay_swappable_after_a_capture():
+    """torch's export left its last trace reachable from a global (the fake tensors' describer
+    holds a weak reference to each parameter), and ``torch.utils.swap_tensors`` refuses a tensor
+    with a weak reference: ``model.double()`` under ``torch.__future__.set_swap_module_params_on_
+    conversion(True)`` raised after a capture. A swap is a weights change like any other."""
+    model = Net().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    _served_and_eager(f, model, x)
+    torch.utils.swap_tensors(model.fc.weight, torch.nn.Parameter(torch.randn(3, 4)))
+    got, expected = _served_and_eager(f, model, x)
+    torch.testing.assert_close(got, expected)
+    assert f.recapture_reasons and "'fc.weight'" in f.recapture_reasons[-1]
+
+
 def test_an_unrelated_registration_keeps_the_graph():
     model = Net().eval()
     f = cr.compile(model)

@@ -41,9 +41,8 @@ from clika_runtime.capture.target import Target
 from clika_runtime.state.walk import filled, global_names
 from clika_runtime.state.weights import closure_tensors
 
-# id(tensor) -> (a weak reference to it, its state when hashed, the digest). Not a WeakKeyDictionary:
-# tensors compare elementwise, so they cannot be dictionary keys by value.
-_DIGESTS: dict[int, tuple[weakref.ref, tuple, str]] = {}
+# id(storage) -> (a weak reference to it, {view: (the tensor's version when hashed, the digest)}).
+_DIGESTS: dict[int, tuple[weakref.ref, dict[tuple, tuple[int | None, str]]]] = {}
 # Past this many bytes of tensors, they are hashed on several threads (BERT-base: 440 MB, 0.24 s on one).
 _PARALLEL_BYTES = 64 * 2**20
 
@@ -105,19 +104,38 @@ def capture_key(function: str, plan: CapturePlan, place: str) -> str:
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """A digest of a tensor's dtype, shape and bytes (cached while it is unchanged)."""
-    state = (tensor._version if not tensor.is_inference() else None, tensor.data_ptr(), tuple(tensor.shape))
-    cached = _DIGESTS.get(id(tensor))
-    if cached is not None and cached[0]() is tensor and cached[1] == state and state[0] is not None:
-        return cached[2]
+    """A digest of a tensor's dtype, shape and bytes (cached while it is unchanged).
+
+    Kept per storage, by a weak reference to the storage, not to the tensor: the weak reference
+    stops a dead storage's id, reused, from reading as unchanged, and ``torch.utils.swap_tensors``
+    refuses a tensor that has one (``model.to(...)`` under ``torch.__future__.
+    set_swap_module_params_on_conversion(True)``). Within a storage, each view (offset, shape,
+    strides, dtype) keeps its digest with the version it was taken at."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # no plain storage (a sparse tensor): hashed each time
+        return _digest(tensor)
+    view = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+    version = None if tensor.is_inference() else tensor._version
+    entry = _DIGESTS.get(id(storage))
+    if entry is None or entry[0]() is not storage:
+        key = id(storage)
+        entry = _DIGESTS[key] = (weakref.ref(storage, lambda _, key=key: _DIGESTS.pop(key, None)), {})
+    cached = entry[1].get(view)
+    if cached is not None and version is not None and cached[0] == version:
+        return cached[1]
+    digest = _digest(tensor)
+    entry[1][view] = (version, digest)
+    return digest
+
+
+def _digest(tensor: torch.Tensor) -> str:
     data = tensor.detach().cpu().contiguous()
     if data.dtype in (torch.bfloat16, torch.float16):
         data = data.view(torch.int16)
     digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
     if data.numel():
         digest.update(data.reshape(-1).view(torch.uint8).numpy() if data.dtype != torch.bool else data.numpy())
-    key = id(tensor)
-    _DIGESTS[key] = (weakref.ref(tensor, lambda _, key=key: _DIGESTS.pop(key, None)), state, digest.hexdigest())
     return digest.hexdigest()
 
 
@@ -153,7 +171,7 @@ def forget(target: Target) -> None:
     """Hash the target's tensors afresh next time: a write through ``.data`` moves neither their
     version nor their memory, so after one the digests kept for them are stale (``reset()``)."""
     for _, tensor in _bakeable(target):
-        _DIGESTS.pop(id(tensor), None)
+        _DIGESTS.pop(id(tensor.untyped_storage()), None)
 
 
 @functools.cache
