@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import contextvars
 import functools
@@ -223,7 +224,7 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     """The exporter's program; its failures as one ``RuntimeError`` with the root cause, a trace
     that writes buffers as ``WritesState``."""
     try:
-        with _EXPORTING, quiet(), _fx_sources_dropped():
+        with _EXPORTING, quiet(), _fx_sources_dropped(), _tracer_patches_in_this_thread(flat):
             # In a copy of the context: every `config.patch(...)` torch enters makes a ContextVar
             # of its own, which stays in the context that set it for good (5 a capture); in a
             # copy, they go with it. The patches restore their values on exit, so nothing else
@@ -238,6 +239,59 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     _refuse_state_writes(program.exported_program, owner)
     _refuse_random(program.exported_program, owner)
     return program
+
+
+@contextlib.contextmanager
+def _tracer_patches_in_this_thread(traced: torch.nn.Module) -> Iterator[None]:
+    """While the block runs, what torch.fx's tracer patches for the whole process
+    (``nn.Module.__call__`` and ``__getattr__``, the functions it wraps) acts in this thread only.
+
+    The tracer keeps one stack of the module calls it is in, and the trace holds the traced
+    modules' parameters: a module called from another thread meanwhile went through this trace
+    (``generate`` calling its encoder while another thread's call captures the decoder), and both
+    the export and that call failed on the stack (an AssertionError). In other threads, a module
+    of ``traced`` is called once the export is done (its parameters are its own again); any
+    other module, and everything else patched, runs as without the trace."""
+    patcher = getattr(getattr(torch.fx, "_symbolic_trace", None), "_Patcher", None)
+    if patcher is None:  # another torch: its tracer as it is
+        yield
+        return
+    patch_method, patch = patcher.patch_method, patcher.patch
+    here, mine = threading.get_ident(), frozenset(id(m) for m in traced.modules())
+
+    def method_here(self: Any, cls: type, name: str, new_fn: Callable[..., Any], deduplicate: bool = True) -> None:
+        original = getattr(cls, name)
+        elsewhere = _after_the_export(original, mine) if cls is torch.nn.Module and name == "__call__" else original
+        return patch_method(self, cls, name, _here_only(here, elsewhere, new_fn), deduplicate)
+
+    def global_here(self: Any, frame_dict: dict, name: str, new_fn: Callable[..., Any], deduplicate: bool = True) -> None:
+        original = frame_dict.get(name, getattr(builtins, name, None))
+        return patch(self, frame_dict, name, new_fn if original is None else _here_only(here, original, new_fn),
+                     deduplicate)
+
+    patcher.patch_method, patcher.patch = method_here, global_here
+    try:
+        yield
+    finally:
+        patcher.patch_method, patcher.patch = patch_method, patch
+
+
+def _here_only(thread: int, original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return (replacement if threading.get_ident() == thread else original)(*args, **kwargs)
+
+    return patched
+
+
+def _after_the_export(call: Callable[..., Any], traced: frozenset[int]) -> Callable[..., Any]:
+    """``Module.__call__`` that, for a module of the traced model, waits for the export first."""
+    def called(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if id(module) in traced:
+            with _EXPORTING:  # held by the exporting thread until the export is done
+                pass
+        return call(module, *args, **kwargs)
+
+    return called
 
 
 def _tensors_forgotten(program: Any) -> None:

@@ -7,6 +7,8 @@ import copy
 import gc
 import random
 import threading
+import time
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -219,3 +221,54 @@ def test_stress_hits_drifts_resets_takes_and_weight_updates_never_serve_a_wrong_
         for future in [pool.submit(worker, seed) for seed in range(8)]:
             future.result(timeout=600)
     assert not errors, errors
+
+
+class _EncoderHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+        self.head = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(30)])
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_trap_module_calls_in_other_threads_during_a_capture_run_as_without_it():
+    """While torch.export traces, torch.fx replaces ``nn.Module.__call__`` for the whole process:
+    a module of the traced model called from another thread went through that trace's tracer,
+    and both failed on its module stack (``generate`` in one thread calls its encoder while
+    another thread's call captures the decoder: an AssertionError in each). Such a call now
+    waits for the export and computes with the module's own weights; a module outside the
+    traced model runs at once; the capture is made."""
+    model = _EncoderHead().eval()
+    elsewhere = torch.nn.Linear(4, 4).eval()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = (model.encoder[0](x), elsewhere(x))
+    unpatched = torch.nn.Module.__call__
+    done, failures, traced_meanwhile = threading.Event(), [], [0]
+
+    def call_modules() -> None:
+        while not done.is_set():
+            if torch.nn.Module.__call__ is unpatched:  # not tracing now: nothing to test
+                time.sleep(0)
+                continue
+            try:
+                with torch.no_grad():
+                    torch.testing.assert_close((model.encoder[0](x), elsewhere(x)), expected)
+                traced_meanwhile[0] += 1
+            except Exception as error:  # collected, asserted below
+                failures.append(error)
+                return
+
+    other = threading.Thread(target=call_modules)
+    other.start()
+    f = cr.compile(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed capture would warn
+        with torch.no_grad():
+            torch.testing.assert_close(f(x), model(x))
+    done.set()
+    other.join()
+    assert not failures, repr(failures[0])
+    assert traced_meanwhile[0] > 0 and len(f.captures) == 1
