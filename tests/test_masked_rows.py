@@ -93,3 +93,17 @@ def test_mismatch_names_what_differs(eager, graph, expected):
 
 def test_nan_on_both_sides_agrees():
     assert first_mismatch(["y"], [torch.tensor([math.nan, 1.0])], [torch.tensor([math.nan, 1.0])]) is None
+
+
+@pytest.mark.parametrize(("eager", "graph", "agrees"), [
+    ([8.0, 0.01], [8.0, 0.01 + 2.5e-5], True),  # round-off of an output whose values run to 8
+    ([1.0, 0.01], [1.0, 0.01 + 2.5e-5], False),  # the same difference in an output of unit size
+    ([8.0, 0.01], [8.0, 0.02], False),  # a real difference at any size
+    ([math.inf, 8.0, 0.01], [math.inf, 8.0, 0.01 + 2.5e-5], True),  # the size read where finite
+])
+def test_trap_the_absolute_tolerance_grows_with_the_outputs_size(eager, graph, agrees):
+    """float32's round-off grows with the size of the values summed: a Whisper whose logits run
+    to 8 was refused over 2.8e-5 (atol 1e-5) at a logit near 0, and served eagerly for good. The
+    absolute tolerance is scaled by the output's largest finite magnitude, when above 1."""
+    message = first_mismatch(["y"], [torch.tensor(eager)], [torch.tensor(graph)])
+    assert (message is None) == agrees, message

@@ -16,8 +16,9 @@ def first_mismatch(names: Sequence[str], eager: Sequence[Any], graph: Sequence[A
     """The first output that differs, in words (``None`` when all agree).
 
     Tensors must agree in type, dtype, shape and device, and (``values``) in value within the
-    dtype's tolerance (``config.tolerances``; integers and bools exactly, NaN where eager has NaN);
-    Python floats within float32's, other values exactly.
+    dtype's tolerance (``config.tolerances``, the absolute one times the output's largest finite
+    magnitude where that is above 1; integers and bools exactly, NaN where eager has NaN); Python
+    floats within float32's, other values exactly.
     """
     if len(eager) != len(graph):
         return f"graph returned {len(graph)} output leaves, eager {len(eager)}"
@@ -72,9 +73,18 @@ def _values(e: torch.Tensor, g: torch.Tensor) -> str | None:
     # Compare in float64 so float16/bfloat16 differences are measured, not rounded away.
     e64 = e if e.is_complex() else e.to(torch.float64)
     g64 = g if g.is_complex() else g.to(torch.float64)
+    atol *= _size(e64)
     if torch.allclose(g64, e64, rtol=rtol, atol=atol, equal_nan=True):
         return None
     return f"values differ: {'; '.join(_differences(e64, g64, rtol, atol))} (rtol={rtol}, atol={atol})"
+
+
+def _size(e: torch.Tensor) -> float:
+    """The output's largest finite magnitude, at least 1: the absolute tolerance's scale. Round-off
+    grows with the size of what is summed, so a value near 0 in an output whose values run to 8
+    (a Whisper's logits) differs from eager's by several times what one of unit size does."""
+    finite = e.abs()[e.isfinite()]
+    return max(1.0, finite.max().item()) if finite.numel() else 1.0
 
 
 def _differences(e: torch.Tensor, g: torch.Tensor, rtol: float, atol: float) -> list[str]:
