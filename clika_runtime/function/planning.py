@@ -113,15 +113,18 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     drifted axes dynamic."""
     found = [(c, c.guard.mismatches(call.feeds)) for c in reversed(variants)]  # newest first
     declared = declared_axes(call, options)
-    for capture, problems in found:
-        pinned = _pinned(capture, problems, call)
-        if {p.kind for p in problems} <= VARIANT_KINDS or pinned:
-            point = capture.guard.point(call.feeds)
-            if (call.key, point) in table.refused:
-                return Eager()  # its variant failed: said when it did
-            plan = CapturePlan(call, capture.dynamic, declared, _words(problems, pinned), variant=True,
-                               untied=table.knowledge.untied, spends=not _small_sizes(problems), point=point)
-            return _budgeted(table, plan)
+    # A variant beside the newest capture the call lies outside of only by sizes it was not traced
+    # for, else beside the newest whose exporter pinned the sizes it differs by.
+    beside = next(((c, p, False) for c, p in found if {m.kind for m in p} <= VARIANT_KINDS), None) or \
+        next(((c, p, True) for c, p in found if _pinned(c, p, call)), None)
+    if beside is not None:
+        capture, problems, pinned = beside
+        point = capture.guard.point(call.feeds)
+        if (call.key, point) in table.refused:
+            return Eager()  # its variant failed: said when it did
+        plan = CapturePlan(call, capture.dynamic, declared, _words(problems, pinned), variant=True,
+                           untied=table.knowledge.untied, spends=not _small_sizes(problems), point=point)
+        return _budgeted(table, plan)
     capture, problems = min(found, key=lambda pair: (sum(p.kind != "size" for p in pair[1]),
                                                      sum(p.kind == "size" for p in pair[1])))
     drifted = [dict(axes) for axes in capture.dynamic]
