@@ -20,6 +20,7 @@ in-place updates cannot be seen (their ``data_ptr`` still is); the capture notes
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ import torch
 
 from clika_runtime.state.walk import global_names, modules_reached
 
+logger = logging.getLogger("clika_runtime")
 _version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr
 # Bumped by torch whenever any module registers a parameter, buffer or submodule (assignment included).
@@ -64,10 +66,13 @@ def _stepped(step: Any, *_: Any) -> None:
     kernels' pointers and move none (torch 2.13), so a graph would serve the weights of before the
     step; a step that moved them already moves them once more, which changes nothing but the count
     (torch's ``increment_version`` is there for kernels that write behind autograd's back)."""
-    stepped = [p for group in step.param_groups for p in group["params"]
-               if isinstance(p, torch.Tensor) and p.grad is not None]
-    if stepped:
-        torch.autograd.graph.increment_version(stepped)
+    try:
+        stepped = [p for group in step.param_groups for p in group["params"]
+                   if isinstance(p, torch.Tensor) and p.grad is not None]
+        if stepped:
+            torch.autograd.graph.increment_version(stepped)
+    except Exception:  # an optimizer of unusual make (param_groups of its own): never fail the user's step
+        logger.debug("optimizer step not counted", exc_info=True)
 
 
 @dataclass(frozen=True)
