@@ -546,3 +546,53 @@ def test_a_graph_of_a_model_a_function_reaches_is_found_again_and_watched():
         _REACHED.weight.add_(1.0)
         torch.testing.assert_close(f(x), _REACHED(x) * 2)  # and watched
     assert f.recapture_reasons and f.recapture_reasons[-1].startswith("weights changed")
+
+
+def _embedding(scale: float) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3)).eval()
+    with torch.no_grad():
+        model[0].weight[5:] *= scale  # rows the first call below does not read
+    return model
+
+
+@pytest.mark.parametrize("reached", ["global", "closure"])
+def test_trap_the_weights_of_a_model_a_function_reaches_are_in_the_key(reached):
+    """A function that calls a model through a global or a closure bakes that model's weights,
+    but only the owner's and closed-over tensors were hashed: a later process whose model differed
+    in rows its first call did not read was served the old graph (a CLIP text tower wrapped in a
+    function answered tokens >= 50 with the other process's embedding)."""
+    global _HELD
+    ids = torch.tensor([[1, 2, 3], [0, 4, 1]])
+    for scale, exported in ((1.0, True), (1.0, False), (2.0, True)):
+        _HELD = model = _embedding(scale)
+        fn = (lambda t: _HELD(t)) if reached == "global" else (lambda m: lambda t: m(t))(model)
+        f = _capture(fn, ids)
+        assert _exported(f) == exported, (scale, exported)
+    with torch.no_grad():
+        other = torch.tensor([[5, 6, 7]])
+        torch.testing.assert_close(f(other), model(other))
+
+
+_HELD: torch.nn.Module | None = None
+
+
+def test_trap_forward_hooks_are_in_the_key():
+    """A forward hook changes what the graph computes; a later process that added one (a clamp
+    its first call did not reach) was served the graph made without it."""
+    x = torch.randn(2, 4) * 0.01
+
+    def model(hooked: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        made = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3)).eval()
+        if hooked:
+            made[2].register_forward_hook(lambda module, args, out: out.clamp(-1.0, 1.0))
+        return made
+
+    assert _exported(_capture(model(False), x))
+    assert not _exported(_capture(model(False), x))
+    f = _capture(model(True), x)
+    assert _exported(f)
+    with torch.no_grad():
+        big = torch.randn(2, 4) * 100
+        torch.testing.assert_close(f(big), model(True)(big))

@@ -38,7 +38,7 @@ from clika_runtime.base.sharing import TARGETS
 from clika_runtime.base.version import VERSION
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.target import Target
-from clika_runtime.state.walk import filled, global_names
+from clika_runtime.state.walk import filled, global_names, modules_reached
 from clika_runtime.state.weights import closure_tensors
 
 # id(storage) -> (a weak reference to it, {view: (the tensor's version when hashed, the digest)}).
@@ -65,7 +65,8 @@ def code_key(target: Target) -> str:
     before the first call without hashing the weights."""
     digest = hashlib.sha256()
     with TARGETS.shared():
-        for part in (_versions(), _options(target), _code(target.fn), _sources(target.fn)):
+        for part in (_versions(), _options(target), _code(target.fn, target.owner), _sources(target.fn),
+                     _hooks(torch.nn.modules.module, ("_global_forward_pre_hooks", "_global_forward_hooks"))):
             digest.update(part.encode())
         for name, tensor in _bakeable(target):
             digest.update(f"{name}:{tensor.dtype}{tuple(tensor.shape)}".encode())
@@ -140,13 +141,20 @@ def _digest(tensor: torch.Tensor) -> str:
 
 
 def _bakeable(target: Target) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor a capture of ``target`` may bake: the owner's, and those its code closes over."""
+    """Every tensor a capture of ``target`` may bake: the owner's, those of the modules its code
+    reaches through a global or a closure (``state.walk.modules_reached``), and those it closes over."""
     found: list[tuple[str, torch.Tensor]] = []
-    if target.owner is not None:
-        found += list(target.owner.named_parameters()) + list(target.owner.named_buffers())
-        found += _attribute_tensors(target.owner)
+    for prefix, module in _modules(target):
+        found += [(prefix + name, t) for name, t in [*module.named_parameters(), *module.named_buffers()]]
+        found += [(prefix + name, t) for name, t in _attribute_tensors(module)]
     found += closure_tensors(target.fn)
     return found
+
+
+def _modules(target: Target) -> list[tuple[str, torch.nn.Module]]:
+    """The owner (no prefix) and the modules the target reaches outside it, by where it finds them."""
+    owned = [("", target.owner)] if target.owner is not None else []
+    return owned + [(f"{where}.", module) for where, module in modules_reached(target.fn, target.owner)]
 
 
 _REGISTERED = frozenset({"_parameters", "_buffers", "_modules"})  # a module's own registries, listed apart
@@ -204,19 +212,29 @@ def _options(target: Target) -> str:
                  target.agreement_now() if target.precision != FP32 else None))
 
 
-def _code(fn: Any) -> str:
+def _code(fn: Any, owner: torch.nn.Module | None = None) -> str:
     """The code a call runs, as far as cheaply knowable: functions' bytecode and constants, each
-    submodule class's forward, and the modules' plain attributes (sizes, flags, configs)."""
-    if isinstance(fn, torch.nn.Module):
-        return "|".join(f"{name}:{_module(m)}" for name, m in fn.named_modules())
-    owner = getattr(fn, "__self__", None)
-    text = _function(getattr(fn, "__func__", fn))
-    return text + ("|" + _code(owner) if isinstance(owner, torch.nn.Module) else "")
+    submodule class's forward, the modules' plain attributes (sizes, flags, configs) and hooks,
+    and the modules the target reaches through a global or a closure."""
+    text = _tree(fn) if isinstance(fn, torch.nn.Module) else _function(getattr(fn, "__func__", fn))
+    bound = getattr(fn, "__self__", None)
+    text += "|" + _tree(bound) if isinstance(bound, torch.nn.Module) else ""
+    return text + "".join(f"|{where}={_tree(m)}" for where, m in modules_reached(fn, owner))
+
+
+def _tree(module: torch.nn.Module) -> str:
+    return "|".join(f"{name}:{_module(m)}" for name, m in module.named_modules())
+
+
+def _hooks(holder: Any, kinds: tuple[str, ...]) -> str:
+    """The forward hooks ``holder`` keeps, by their code: what they compute is in the graph."""
+    held = [(kind, getattr(holder, kind, None) or {}) for kind in kinds]
+    return "".join(f";{kind}=[{','.join(_plain(h) for h in hooks.values())}]" for kind, hooks in held if hooks)
 
 
 def _module(module: torch.nn.Module) -> str:
-    """A module's class, its forward and its plain attributes: the instance's, and those of its
-    own classes (``LIMIT = float(os.environ[...])`` in a class body)."""
+    """A module's class, its forward, its plain attributes (the instance's, and those of its own
+    classes: ``LIMIT = float(os.environ[...])`` in a class body) and its forward hooks."""
     cls = type(module)
     attributes = []
     for key, value in sorted(vars(module).items()):
@@ -225,7 +243,8 @@ def _module(module: torch.nn.Module) -> str:
         attributes.append(f"{key}={_plain(value)}")
     for owner in (c for c in cls.__mro__ if ours(c)):  # methods are keyed by ``_sources``
         attributes += [f"{owner.__qualname__}.{key}={_plain(vars(owner)[key])}" for key in sorted(body_values(owner))]
-    return f"{cls.__module__}.{cls.__qualname__}[{_function(cls.forward)}]({','.join(attributes)})"
+    hooks = _hooks(module, ("_forward_pre_hooks", "_forward_hooks"))
+    return f"{cls.__module__}.{cls.__qualname__}[{_function(cls.forward)}]({','.join(attributes)}){hooks}"
 
 
 def _sources(fn: Any) -> str:
