@@ -109,12 +109,12 @@ VARIANT_KINDS = frozenset({"special", "range", "condition", "number"})
 
 def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], options: Options) -> Decision:
     """A call whose key is cached but whose sizes no capture of it accepts: trace a variant beside
-    the newest capture it only lies outside of, else (a static size drifted) re-capture with the
+    the newest capture it only lies outside of (sizes it was not traced for, or sizes the exporter
+    pinned on axes it was asked to keep dynamic), else (a static size drifted) re-capture with the
     drifted axes dynamic."""
     found = [(c, c.guard.mismatches(call.feeds)) for c in reversed(variants)]  # newest first
     declared = declared_axes(call, options)
-    # A variant beside the newest capture the call lies outside of only by sizes it was not traced
-    # for, else beside the newest whose exporter pinned the sizes it differs by.
+    # Sizes a capture was not traced for first: a pinned axis is the rarer reading of a mismatch.
     beside = next(((c, p, False) for c, p in found if {m.kind for m in p} <= VARIANT_KINDS), None) or \
         next(((c, p, True) for c, p in found if _pinned(c, p, call)), None)
     if beside is not None:
