@@ -179,7 +179,10 @@ def forget(target: Target) -> None:
     """Hash the target's tensors afresh next time: a write through ``.data`` moves neither their
     version nor their memory, so after one the digests kept for them are stale (``reset()``)."""
     for _, tensor in _bakeable(target):
-        _DIGESTS.pop(id(tensor.untyped_storage()), None)
+        try:
+            _DIGESTS.pop(id(tensor.untyped_storage()), None)
+        except (RuntimeError, NotImplementedError):  # no plain storage: never kept
+            pass
 
 
 @functools.cache
