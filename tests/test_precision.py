@@ -577,3 +577,17 @@ def test_trap_an_int8_capture_from_a_call_with_a_loud_row_is_judged_by_rows():
     loud[0] *= 100
     _, said = called(f, loud)
     assert f.captures[0].precision.startswith("int8 not served, fp32 serves instead") and "rows' errors" in said[0]
+
+
+def test_a_kv_cache_output_is_not_judged_by_its_top_1():
+    """A key/value cache's last axis is a head's channels, not classes: its argmax means nothing,
+    yet int8 captures of decoders reported a top-1 for ``present.*`` outputs and refused the
+    graph under ``Agreement(top1=...)``. Cache outputs (named ``present.*``) are measured without it."""
+    from clika_runtime.base.precision import Agreement, measure
+
+    reference = np.array([[1.0, 0.99], [0.5, 0.2]])
+    got = np.array([[0.99, 1.0], [0.5, 0.2]])  # the first row's largest entry moved
+    assert measure("logits", reference, got).top1 == 0.5
+    cache = measure("present.0.key", reference, got)
+    assert cache.top1 == 1.0 and "top-1" not in str(cache)
+    assert Agreement(cosine=0.99, top1=1.0).problem(cache) is None

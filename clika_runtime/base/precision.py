@@ -83,7 +83,8 @@ class Agreement:
             largest magnitude.
         top1: if set, the least share of rows (along the last axis) whose largest entry sits
             where the reference's does: ``1.0`` for a classifier whose every predicted class
-            must stay eager's (argmax-like uses of a float output).
+            must stay eager's (argmax-like uses of a float output); not applied to a decoder's
+            key/value cache outputs (``present.*``), whose argmax means nothing.
     Integer and bool outputs must always match exactly; NaN and infinities must sit where the
     reference has them.
     """
@@ -169,6 +170,11 @@ class Measured:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+# A decoder's key/value cache outputs (docs/DECODERS.md's names): their last axis is a head's
+# channels, not classes, so their argmax says nothing and top-1 is not measured for them.
+CACHE_OUTPUTS = "present."
+
+
 def measure(name: str, reference: Any, got: Any) -> Measured:
     """How closely ``got`` agrees with ``reference`` (arrays or numbers of one shape)."""
     ref, out = np.asarray(reference), np.asarray(got)
@@ -176,7 +182,7 @@ def measure(name: str, reference: Any, got: Any) -> Measured:
         raise ValueError(f"output '{name}': shape {out.shape}, reference {ref.shape}")
     if not np.issubdtype(ref.dtype, np.floating) and not np.issubdtype(ref.dtype, np.complexfloating):
         return Measured(name, exact=bool(np.array_equal(ref, out)))
-    top1 = _top1(ref, out)
+    top1 = 1.0 if name.startswith(CACHE_OUTPUTS) else _top1(ref, out)
     ref, out = ref.astype(np.float64).reshape(-1), out.astype(np.float64).reshape(-1)
     finite = np.isfinite(ref)
     misplaced = not np.array_equal(finite, np.isfinite(out)) or not np.array_equal(ref[~finite], out[~finite], equal_nan=True)
