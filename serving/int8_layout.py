@@ -263,18 +263,3 @@ def _readers(graph: Any) -> dict[str, list[Any]]:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     return readers
-
-
-def _attribute(node: Any, name: str, default: Any) -> Any:
-    from onnx import helper
-
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
-
-
-def _values(tensor: Any) -> list[int]:
-    from onnx import numpy_helper
-
-    return [int(v) for v in np.asarray(numpy_helper.to_array(tensor)).reshape(-1)]

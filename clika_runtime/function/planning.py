@@ -132,8 +132,7 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
         if p.kind == "size":
             drifted[call.names.index(p.input)].setdefault(p.axis, None)
     dynamic = tuple(_without_static(table, d, n, k) for d, n, k in zip(drifted, call.names, declared))
-    reasons = [f"shape drift: input '{p.input}' axis {p.axis}: {p.expected} -> {p.got}" if p.kind == "size" else str(p)
-               for p in problems]
+    reasons = [_drift(p) if p.kind == "size" else str(p) for p in problems]
     untied = table.knowledge.untied | _split(capture, problems, call)
     plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
                        untied=untied)
@@ -143,11 +142,14 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
 def _words(problems: Sequence[Any], pinned: bool = False) -> str:
     """The first few mismatches in words (a Swin window's conditions come by the dozen)."""
     if pinned:
-        return "; ".join(f"shape drift: input '{p.input}' axis {p.axis}: {p.expected} -> {p.got} (an axis the "
-                         "exporter traces at one size only: a graph for this size beside the others)"
-                         for p in problems if p.kind == "size")
+        return "; ".join(f"{_drift(p)} (an axis the exporter traces at one size only: a graph for this size beside "
+                         "the others)" for p in problems)
     text = "; ".join(str(p) for p in problems[:3])
     return text + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+
+
+def _drift(problem: Any) -> str:
+    return f"shape drift: input '{problem.input}' axis {problem.axis}: {problem.expected} -> {problem.got}"
 
 
 def _pinned(capture: "Capture", problems: Sequence[Any], call: Call) -> bool:
