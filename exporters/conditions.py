@@ -62,6 +62,56 @@ def dead_conditions(program: Any) -> tuple[list[tuple], set[tuple[int, int | Non
     return trees, opaque
 
 
+# sympy's and torch's expression classes, by name (torch's live in a private module), as tree ops.
+_EXPRESSIONS = {"Add": "add", "Mul": "mul", "FloorDiv": "floordiv", "PythonMod": "mod", "Mod": "mod",
+                "Max": "max", "Min": "min"}
+
+
+def derived_dims(program: Any) -> dict[tuple[int, int], tuple]:
+    """Input dims the exporter wrote as expressions of other inputs' dims (a mask one longer than
+    the past: ``s27 + 1``), each as the condition ``("eq", size, expression)`` that holds at
+    capture. A dim whose expression reads a symbol no input carries alone, or an operation
+    outside ``OP_NAMES``, is left out: the caller keeps it static."""
+    user = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    index = {name: i for i, name in enumerate(user)}
+    shapes = {index[n.name]: n.meta["val"].shape for n in program.graph.nodes
+              if n.op == "placeholder" and n.name in index and isinstance(n.meta.get("val"), torch.Tensor)}
+    alone: dict[Any, tuple] = {}  # symbol -> the first (input, axis) whose dim is that symbol alone
+    for i, shape in sorted(shapes.items()):
+        for axis, size in enumerate(shape):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                alone.setdefault(size.node.expr, ("size", i, axis))
+    derived = {}
+    for i, shape in shapes.items():
+        for axis, size in enumerate(shape):
+            if not isinstance(size, torch.SymInt) or size.node.expr.is_Symbol:
+                continue
+            try:
+                derived[(i, axis)] = ("eq", ("size", i, axis), _expression(size.node.expr, alone))
+            except Opaque:
+                pass
+    return derived
+
+
+def _expression(expr: Any, alone: dict[Any, tuple]) -> tuple:
+    if expr.is_Integer:
+        return ("const", int(expr))
+    if expr.is_Symbol:
+        if expr not in alone:
+            raise Opaque(expr)
+        return alone[expr]
+    name = _EXPRESSIONS.get(type(expr).__name__)
+    if name is None or not expr.args:
+        raise Opaque(expr)
+    children = [_expression(arg, alone) for arg in expr.args]
+    if name in ("max", "min"):
+        return (name, *children)
+    tree = children[0]
+    for child in children[1:]:  # sympy's n-ary sums and products as binary ones
+        tree = (name, tree, child)
+    return tree
+
+
 def _tree(node: Any, index: dict[str, int]) -> tuple:
     if not isinstance(node, torch.fx.Node):
         if isinstance(node, (bool, int)):

@@ -200,11 +200,13 @@ def export_graph(
     numbers = _numbers(program.exported_program, examples)
     number_symbols = {symbol: input_names[i] for symbol, i in numbers.pop("symbols").items()}
     graph_leaves = flat.plan()["graph_leaves"]
+    derived = conds.derived_dims(program.exported_program)
     model, renames = _edited(program, input_names, [output_names[i] for i in graph_leaves],
                              [_leaf_dtype(output_dtypes[i]) for i in graph_leaves], dynamic, output_dims or {},
-                             graph_name, examples, number_symbols, guard_nan)
+                             graph_name, examples, number_symbols, guard_nan, derived)
     input_dims = graph_edits.input_dims(model)
     trees, opaque, reads = _conditions(program.exported_program, input_dims, examples, numbers["specialized"])
+    trees += derived.values()  # the relations the guard checks instead of pinning those dims
     return ExportedGraph(
         model=model,
         input_dims=input_dims,
@@ -396,14 +398,16 @@ def _edited(
     program: Any, input_names: Sequence[str], output_names: Sequence[str], output_dtypes: Sequence[ir.DataType],
     dynamic: Sequence[Mapping[int, str | None]], output_dims: Mapping[str, Mapping[int, str | None]],
     graph_name: str, examples: Sequence[Any], number_symbols: Mapping[str, str], guard_nan: bool,
+    derived: Mapping[tuple[int, int], tuple],
 ) -> tuple[ir.Model, dict[str, str]]:
     """The exported model with our names, eager's output dtypes and static dims where the
-    exporter pinned them; also the symbol -> dim name renames applied."""
+    exporter pinned them (or wrote an expression ``derived`` has no condition for); also the
+    symbol -> dim name renames applied."""
     model = program.model
     graph_edits.name_inputs(model, input_names)
     graph_edits.fix_outputs(model, output_names, output_dtypes)
     graph_edits.pin_dims(model, _pinned(program.exported_program))
-    graph_edits.pin_derived_inputs(model, examples)
+    graph_edits.pin_derived_inputs(model, examples, derived)
     graph_edits.widen_indices(model)
     transposes.fold_key_transposes(model.graph)
     declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]

@@ -7,7 +7,7 @@ give the graph the names its users know and fix the output dtypes the exporter m
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Container, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -81,18 +81,21 @@ def pin_dims(model: ir.Model, pinned: Mapping[str, int]) -> None:
         value.shape = ir.Shape([pinned[d.value] if isinstance(d, ir.SymbolicDim) and d.value in pinned else d for d in shape])
 
 
-def pin_derived_inputs(model: ir.Model, examples: Sequence[Any]) -> None:
-    """Input dims the exporter wrote as expressions of other dims (``2*s0``): static at the example.
+def pin_derived_inputs(model: ir.Model, examples: Sequence[Any], guarded: Container[tuple[int, int]]) -> None:
+    """Input dims the exporter wrote as expressions of other dims (``2*s0``): a dim of its own
+    where the guard checks the expression (``guarded`` (input, axis) pairs:
+    ``conditions.derived_dims``), else static at the example.
 
-    The guard compares names, not arithmetic; an expression dim is pinned so that a call is never
-    served where the relation does not hold (a drift re-captures instead).
+    The guard compares dim names, not arithmetic: an expression dim it does not check is pinned so
+    that a call is never served where the relation does not hold (a drift re-captures instead).
     """
-    for value, example in zip(model.graph.inputs, examples):
+    for i, (value, example) in enumerate(zip(model.graph.inputs, examples)):
         shape = value.shape
         if shape is None or not hasattr(example, "shape"):
             continue
         dims = [
-            int(example.shape[a]) if isinstance(d, ir.SymbolicDim) and d.value and not d.value.isidentifier() else d
+            d if not (isinstance(d, ir.SymbolicDim) and d.value and not d.value.isidentifier())
+            else ir.SymbolicDim(f"{value.name}_dim{a}") if (i, a) in guarded else int(example.shape[a])
             for a, d in enumerate(shape)
         ]
         value.shape = ir.Shape(dims)

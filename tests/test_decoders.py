@@ -53,6 +53,13 @@ def _qwen2():
                                         bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+def _bloom():  # ALiBi: the decode step's mask is one longer than its past, an expression to the exporter
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=4,
+                                        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
 FAMILIES = {"gpt2": _gpt2, "llama": _llama, "qwen2": _qwen2}
 
 
@@ -164,10 +171,13 @@ def test_generate_through_the_compiled_forward(decoder):
     assert captures <= 2 and eager_calls == captures
 
 
-def test_generate_left_padded_batch_is_served():
+@pytest.mark.parametrize("family", [_llama, _bloom], ids=["llama", "bloom"])
+def test_generate_left_padded_batch_is_served(family):
     """A left-padded prompt's padded rows attend to nothing: torch returns zeros there, which the
-    exporter's attention did not (exporters/translations.py); verification then refused the capture."""
-    d = Decoder(_llama)
+    exporter's attention did not (exporters/translations.py); verification then refused the capture.
+    Bloom's decode step had a graph per token: its mask's length, ``past + 1`` to the exporter,
+    was pinned (exporters/graph_edits.pin_derived_inputs)."""
+    d = Decoder(family)
     ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding

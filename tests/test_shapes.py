@@ -402,3 +402,28 @@ def test_trap_an_axis_the_exporter_traces_at_one_size_serves_per_size_and_never_
             x = torch.randn(3, length, 4)
             torch.testing.assert_close(f(x), model(x))
     assert target.calls == before
+
+
+def _shifted(x, mask):
+    return x * mask[:, 1:]  # the exporter writes mask's length as an expression of x's: x_dim1 + 1
+
+
+def test_trap_an_input_whose_length_the_exporter_derives_from_another_serves_every_length():
+    """A decoder step's attention mask is one longer than its past: the exporter writes the mask's
+    length as ``past + 1``. Such a dim was pinned to its size at capture (the guard compared dim
+    names, not arithmetic), so every new length got a graph of its own and, past the budget, ran
+    eagerly. The relation is now a condition the guard evaluates: one graph serves every length."""
+    target = Counted(_shifted)
+    f = cr.compile(target)
+    with torch.no_grad():
+        for length in range(4, 12):
+            x, mask = torch.randn(2, length), torch.rand(2, length + 1)
+            torch.testing.assert_close(f(x, mask), _shifted(x, mask))
+        assert f.recapture_count == 1 and len(f.captures) == 1, f.recapture_reasons
+        calls = target.calls
+        x, mask = torch.randn(2, 7), torch.rand(2, 9)  # the relation broken: eager's error, as without a graph
+        with pytest.raises(RuntimeError, match="size of tensor a"):
+            f(x, mask)
+        assert target.calls == calls + 1
+    dims = _graph_dims(f)
+    assert dims["x"] == [2, "x_dim1"] and dims["mask"][0] == 2 and isinstance(dims["mask"][1], str)
