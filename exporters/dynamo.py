@@ -18,7 +18,7 @@ import torch
 from torch.export import Dim
 
 from exporters import conditions as conds
-from exporters import fusion, graph_edits, nan_guard, translations, transposes
+from exporters import exact_rewrites, fusion, graph_edits, nan_guard, translations, transposes
 from exporters.dtypes import onnx_dtype
 from exporters.quiet import quiet
 
@@ -121,6 +121,7 @@ def _onnx_program(
     below is the one ``torch.onnx.export`` makes, with one registry kept for the process; where
     that private entry point is not there (another torch), the public call is made instead.
     """
+    exact_rewrites.exact()
     cached = _exporter_with_registry()
     if cached is None:
         return torch.onnx.export(

@@ -13,6 +13,12 @@ with the eager call (both seeded, so random ops compare too). Each op lands in o
   skipped       no float32 sample, an eager call slower than --slow seconds, or eager differs
                 from itself (nondeterministic), or past --timeout seconds for the three calls
 
+With ``--extreme``, a fourth call follows on the same sample with every float tensor's values
+replaced by a fixed mix of large, small and signed values (``EXTREMES``: logits of -20, sums of
+exponentials past float32's range, -0.0), each tensor at another offset in the mix so that two
+inputs meet different values. The graph was verified at the sample's values only: a translation
+that is exact there and not at these (``log(sigmoid(x))`` for ``logsigmoid``) is a BUG-differs.
+
     .venv/bin/python scripts/op_sweep.py --limit 200          # counts, then the bugs
     .venv/bin/python scripts/op_sweep.py --only cumsum -v     # one op, with its reasons
 """
@@ -90,16 +96,32 @@ def _innermost(error: BaseException) -> str:
     return f"{f.filename.split('/')[-2]}/{f.filename.split('/')[-1]}:{f.lineno} in {f.name}"
 
 
-def _call(fn, sample):
-    """One call on a copy of the sample's tensors (in-place ops write their input), seeded."""
-    fresh = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
+# Values a translation that is exact at ordinary ones may get wrong: exponentials past float32's
+# range (|x| > 88), sigmoids that round to 0 or 1 (|x| >= 17), tiny magnitudes and signed zeros.
+EXTREMES = (-1000.0, -100.0, -30.0, -20.0, -17.0, -5.0, -1e-30, -0.0, 0.0, 1e-30, 0.5, 5.0, 17.0, 20.0, 30.0,
+            100.0, 1000.0)
+
+
+def _call(fn, sample, extreme: bool = False):
+    """One call on a copy of the sample's tensors (in-place ops write their input), seeded;
+    ``extreme``: float tensors filled from ``EXTREMES``, each at another offset."""
+    offsets = iter(range(10**6))
+
+    def fresh(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not (extreme and t.is_floating_point() and t.numel()):
+            return t.clone()
+        picks = (torch.arange(t.numel()) + next(offsets)) % len(EXTREMES)
+        return torch.tensor(EXTREMES, dtype=t.dtype)[picks].reshape(t.shape)
+
     inp, args, kwargs = torch.utils._pytree.tree_map(fresh, (sample.input, sample.args, sample.kwargs))
     torch.manual_seed(0)
     return fn(inp, *args, **kwargs)
 
 
-def sweep_one(op: Any, slow: float = 1.0, timeout: float = 60.0) -> tuple[str, str]:
-    """(class, detail) for one OpInfo."""
+def sweep_one(op: Any, slow: float = 1.0, timeout: float = 60.0, extreme: bool = False) -> tuple[str, str]:
+    """(class, detail) for one OpInfo; ``extreme``: a fourth call at ``EXTREMES`` values."""
     if torch.float32 not in op.supported_dtypes("cpu"):
         return SKIPPED, "no float32 on cpu"
     try:
@@ -149,6 +171,10 @@ def sweep_one(op: Any, slow: float = 1.0, timeout: float = 60.0) -> tuple[str, s
                     why = same(got, eager)
                     if why:
                         return BUG_DIFF, f"call {i + 1}: {why}"
+                if extreme and eager_error is None:
+                    why = _extreme_call(op, f)
+                    if why:
+                        return BUG_DIFF, f"at extreme values: {why}"
             caught = [str(w.message).splitlines()[0][:200] for w in record]
         except TimeBox:
             return SKIPPED, f"past {timeout:.0f} s for three calls"
@@ -163,6 +189,25 @@ def sweep_one(op: Any, slow: float = 1.0, timeout: float = 60.0) -> tuple[str, s
         return EAGER, reason
 
 
+def _extreme_call(op: Any, f: Any) -> str | None:
+    """What the compiled call gets wrong on the sample at ``EXTREMES`` values (None: nothing, or
+    eager raises or is nondeterministic there)."""
+    sample = next(iter(op.sample_inputs("cpu", torch.float32)))
+    try:
+        eager = _call(op.op, sample, extreme=True)
+        if same(_call(op.op, sample, extreme=True), eager):
+            return None
+    except Exception:  # noqa: BLE001 (the op's domain: eager refuses these values)
+        return None
+    try:
+        got = _call(f, sample, extreme=True)
+    except TimeBox:
+        raise
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {str(error)[:200]} at {_innermost(error)}"
+    return same(got, eager)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", help="op name (repeatable)")
@@ -170,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=0, help="skip the first N ops")
     parser.add_argument("--slow", type=float, default=1.0, help="skip ops whose eager call takes longer (s)")
     parser.add_argument("--timeout", type=float, default=60.0, help="time box for the three compiled calls (s)")
+    parser.add_argument("--extreme", action="store_true", help="a fourth call at EXTREMES values")
     parser.add_argument("-v", "--verbose", action="store_true", help="one line per op")
     args = parser.parse_args(argv)
     from torch.testing._internal.common_methods_invocations import op_db
@@ -185,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     for op in ops:
         name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
         t0 = time.perf_counter()
-        kind, detail = sweep_one(op, args.slow, args.timeout)
+        kind, detail = sweep_one(op, args.slow, args.timeout, args.extreme)
         counts[kind] += 1
         if kind.startswith("BUG"):
             bugs.append((name, kind, detail))
