@@ -39,6 +39,10 @@ some sizes only (nearest-exact at 0.7: sizes 7, 14, 23, 28; nearest at 2.3: 31 a
 one verified size cannot show. Ours computes torch's index and gathers along each axis
 (scripts/size_sweep.py checks them and the other index arithmetic at every size of a range).
 
+``signbit``: torchlib's ``x < 0`` said False for -0.0. The log-domain ops (``log_sigmoid``, which
+``binary_cross_entropy_with_logits`` decomposes into, ``logaddexp``, ``logaddexp2``,
+``logcumsumexp``) are in ``log_domain.py``.
+
 ``adaptive_avg_pool2d``: torch's decomposition sums a window unrolled to the length it has at the
 traced size; the graph was served at sizes whose windows are longer (output 7: wrong at 9..13,
 16..20, 23..27, 30..34). Ours averages torch's windows (``floor(o * in / out)`` to
@@ -54,6 +58,8 @@ import torch
 from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core, nn
 from onnxscript.onnx_opset import opset18 as op
+
+from exporters import log_domain
 
 
 def scaled_dot_product_attention(
@@ -315,7 +321,22 @@ def _window_weights(x: Any, axis: int, out: int) -> Any:
     return op.CastLike(weights, x)
 
 
+def signbit(self: Any) -> Any:
+    """Whether the sign bit is set: also for -0.0 (torchlib's ``x < 0`` said False), whose
+    reciprocal is -inf."""
+    if not self.dtype.is_floating_point():
+        return core.aten_signbit(self)
+    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    negative_zero = op.And(op.Equal(self, zero), op.Less(op.Reciprocal(self), zero))
+    return op.Or(op.Less(self, zero), negative_zero)
+
+
 TABLE: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.log_sigmoid.default: log_domain.log_sigmoid,
+    torch.ops.aten.logaddexp.default: log_domain.logaddexp,
+    torch.ops.aten.logaddexp2.default: log_domain.logaddexp2,
+    torch.ops.aten.logcumsumexp.default: log_domain.logcumsumexp,
+    torch.ops.aten.signbit.default: signbit,
     torch.ops.aten.div.Tensor_mode: div_mode,
     torch.ops.aten.div.Scalar_mode: div_mode,
     torch.ops.aten.amax.default: _propagating_reduction(core.aten_amax),

@@ -42,3 +42,42 @@ SMALL_CONSTANTS = {
 def test_trap_a_tiny_constant_is_kept(name):
     got, want = _served(SMALL_CONSTANTS[name], (_ORDINARY,), (_ZERO,))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+_LOGITS = torch.tensor([[-1000.0, -200.0, -104.0, -30.0, -20.0, -17.0, -5.0, -1e-30, 0.0, 5.0, 17.0, 20.0, 30.0, 200.0,
+                         1000.0, -torch.inf, torch.inf]])
+_OTHER = torch.tensor([[-1000.0, -199.0, -105.0, -31.0, 20.0, -17.0, -4.0, 0.0, -0.0, 500.0, 17.0, -20.0, 29.0, 201.0,
+                        1000.0, -torch.inf, torch.inf]])
+_TARGETS = (torch.arange(_LOGITS.numel()) % 2).float().reshape(_LOGITS.shape)
+_PROBABILITIES = torch.tensor([[-200.0, -200.0, 0.0, -1000.0, -1000.0, -50.0, -torch.inf, 3.0, -torch.inf, 100.0]])
+
+# torchlib computes these naively: log(sigmoid(x)) is -inf from x <= -104 and 2x off near -17;
+# log(exp(a) + exp(b)) overflows past 88 and underflows below -104 (exporters/log_domain.py).
+LOG_DOMAIN = {
+    "logsigmoid": (F.logsigmoid, (_LOGITS,)),
+    "binary_cross_entropy_with_logits": (lambda x, t: F.binary_cross_entropy_with_logits(x, t, reduction="none"),
+                                         (_LOGITS[:, :-2], _TARGETS[:, :-2])),
+    "binary_cross_entropy_with_logits, mean": (F.binary_cross_entropy_with_logits, (_LOGITS[:, :-2], _TARGETS[:, :-2])),
+    "logaddexp": (torch.logaddexp, (_LOGITS, _OTHER)),
+    "logaddexp2": (torch.logaddexp2, (_LOGITS, _OTHER)),
+    "logcumsumexp": (lambda x: torch.logcumsumexp(x, -1), (_PROBABILITIES,)),
+    "logcumsumexp over a dynamic axis": (lambda x: torch.logcumsumexp(x, -1), (_PROBABILITIES[:, :7],)),
+    "isclose within atol": (torch.isclose, (torch.tensor([0.0, 0.0, 1e-9, 0.0]), torch.tensor([5e-9, 1e-30, 0.0, -9e-9]))),
+    "signbit of -0.0": (torch.signbit, (torch.tensor([-0.0, 0.0, -1.0, 1.0, -1e-30]),)),
+}
+
+
+@pytest.mark.parametrize("name", LOG_DOMAIN)
+def test_trap_log_domain_ops_are_exact_where_their_naive_form_is_not(name):
+    fn, trap = LOG_DOMAIN[name]
+    ordinary = tuple(torch.rand_like(t) * 4 - 2 if t.is_floating_point() else t for t in trap)
+    if name == "logcumsumexp over a dynamic axis":  # a second length first: the axis is dynamic
+        f = cr.compile(fn)
+        with torch.no_grad():
+            f(torch.randn(1, 5)), f(torch.randn(1, 9))
+            got = f(*trap)
+            assert f.recapture_count == 1 and sum(c.hits for c in f.captures) == 1
+        want = fn(*trap)
+    else:
+        got, want = _served(fn, ordinary, trap)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)

@@ -1,0 +1,88 @@
+"""Translations of the log-domain ops torch computes stably and torchlib computes naively.
+
+torchlib writes ``log_sigmoid`` as ``log(sigmoid(x))``, ``logaddexp`` as ``log(exp(a) + exp(b))``
+and ``logcumsumexp`` as ``log(cumsum(exp(x - max(x)))) + max(x)``. Each is exact at the values a
+capture is verified at and wrong at others: onnxruntime's sigmoid is 0 from x <= -18 (and 2x off
+near -17), so a confidently wrong logit gave ``-inf`` where torch gives -20 (``F.logsigmoid``,
+and ``binary_cross_entropy_with_logits``, which torch decomposes into it: ``inf`` where torch's
+loss is 1e5); ``exp`` overflows past 88 and underflows below -104 (log-probabilities of -200 summed
+to ``-inf``); a prefix far below the row's maximum underflowed to ``-inf`` in ``logcumsumexp``.
+
+Ours follow torch's kernels (aten/src/ATen/native/BinaryOps.cpp, Activation.cpp):
+``log_sigmoid(x) = min(x, 0) - log1p(exp(-|x|))``, ``logaddexp(a, b) = max(a, b) +
+log1p(exp(-|a - b|))`` (``a`` itself where both are the same infinity), ``logaddexp2`` the same in
+base 2, and ``logcumsumexp`` as a scan of ``logaddexp`` over shifted copies of the input
+(Hillis-Steele: ceil(log2(n)) steps of one shift and one ``logaddexp`` each, n the axis' length;
+31 steps where the length is dynamic).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from onnxscript import ir
+from onnxscript.onnx_opset import opset18 as op
+
+_DYNAMIC_STEPS = 31  # a dynamic axis: shifts up to 2**30, past any length a tensor axis has
+
+
+def log_sigmoid(self: Any) -> Any:
+    """``min(x, 0) - log1p(exp(-|x|))``: finite wherever ``x`` is."""
+    return op.Sub(op.Min(self, _like(0.0, self)), _log1p(op.Exp(op.Neg(op.Abs(self)))))
+
+
+def logaddexp(self: Any, other: Any) -> Any:
+    """``max(a, b) + log1p(exp(-|a - b|))``; ``a`` where both are the same infinity."""
+    return _log_add(self, other, op.Exp(op.Neg(op.Abs(op.Sub(self, other)))), None)
+
+
+def logaddexp2(self: Any, other: Any) -> Any:
+    """``max(a, b) + log1p(2 ** -|a - b|) / ln 2``; ``a`` where both are the same infinity."""
+    ln2 = _like(math.log(2.0), self)
+    return _log_add(self, other, op.Exp(op.Mul(op.Neg(op.Abs(op.Sub(self, other))), ln2)), ln2)
+
+
+def logcumsumexp(self: Any, dim: int) -> Any:
+    """``log(cumsum(exp(x)))`` along ``dim`` without leaving the log domain: each step adds, to
+    every position, the running total that ends ``2 ** k`` positions before it."""
+    rank = len(self.shape)
+    if rank == 0:
+        return self
+    dim %= rank
+    size = self.shape[dim]
+    steps = max(1, math.ceil(math.log2(size))) if isinstance(size, int) and size > 1 else \
+        0 if isinstance(size, int) else _DYNAMIC_STEPS
+    length = op.Shape(self, start=dim, end=dim + 1)
+    lowest = _like(-math.inf, self)
+    total = self
+    for k in range(steps):
+        pads = [0] * (2 * rank)
+        pads[dim] = 2 ** k  # 2**k positions of -inf before the axis' start, then the first `length` kept
+        shifted = op.Slice(op.Pad(total, op.Constant(value_ints=pads), lowest), op.Constant(value_ints=[0]), length,
+                           op.Constant(value_ints=[dim]))
+        total = logaddexp(total, shifted)
+    return total
+
+
+def _log_add(a: Any, b: Any, ratio: Any, scale: Any) -> Any:
+    """``max(a, b) + log1p(ratio) [/ scale]``, or ``a`` where ``a`` and ``b`` are the same infinity
+    (their difference is NaN there; torch returns the infinity)."""
+    tail = _log1p(ratio)
+    out = op.Add(op.Max(a, b), tail if scale is None else op.Div(tail, scale))
+    return op.Where(op.And(op.IsInf(a), op.Equal(a, b)), a, out)
+
+
+def _log1p(u: Any) -> Any:
+    """``log(1 + u)`` for ``u`` in [0, 1], to float rounding also where ``u`` is below the
+    precision of 1 + u (ONNX has no Log1p): ``log(w) * u / (w - 1)`` with ``w = 1 + u``, and ``u``
+    where ``w`` rounds to 1 (Goldberg, "What every computer scientist should know about
+    floating-point arithmetic", theorem 4)."""
+    one = _like(1.0, u)
+    w = op.Add(u, one)
+    gap = op.Sub(w, one)
+    return op.Where(op.Equal(gap, _like(0.0, u)), u, op.Mul(op.Log(w), op.Div(u, gap)))
+
+
+def _like(value: float, x: Any) -> Any:
+    return op.CastLike(op.Constant(value=ir.tensor(value, dtype=ir.DataType.DOUBLE)), x)  # rounded once
