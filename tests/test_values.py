@@ -81,3 +81,16 @@ def test_trap_log_domain_ops_are_exact_where_their_naive_form_is_not(name):
     else:
         got, want = _served(fn, ordinary, trap)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_trap_a_graph_wrong_at_small_outputs_is_refused_beside_huge_ones():
+    """torchlib's erfcx is 0 from x >= 4 (exp(x^2) * erfc(x), erfc underflowing), where torch's is
+    about 0.1; beside erfcx(-4.6) = 2.9e9 the absolute tolerance, scaled by the output's largest
+    magnitude, was 2.9e4, and the graph was served. The scale is capped (capture/verify._size)."""
+    x = torch.tensor([-4.5943, 0.6266, -1.3622, 4.8090, 4.4333, 5.9719, 2.8829, 6.4912, -1.0901, 4.5440])
+    f = cr.compile(torch.special.erfcx)
+    with torch.no_grad():
+        f(x)
+        got = f(x)
+    assert not any(c.hits for c in f.captures)
+    torch.testing.assert_close(got, torch.special.erfcx(x))

@@ -31,7 +31,7 @@ class Config:
         cache_size: captures kept per compiled function (least recently used dropped past it).
         recapture_limit: re-captures allowed before the function serves eagerly until ``reset()``.
         tolerances: ``{dtype name: (rtol, atol)}`` used when a new graph is verified against eager
-            (each output's ``atol`` times its largest finite magnitude, where that is above 1).
+            (each output's ``atol`` times its largest finite magnitude, where that is above 1, up to 16).
         agreement: how closely a reduced-precision graph (``precision="int8"``/``"fp16"``) must
             agree with eager fp32 to serve, for functions compiled without ``agreement=``
             (``Agreement()``: cosine >= 0.999 per float output, integer outputs exact).
