@@ -11,6 +11,7 @@ tree and constant leaves come from it, and the graph serves only once it agrees 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -85,6 +86,16 @@ class Ahead:
 # Lookups ahead run here: hashing weights, linking files and opening a session release the GIL, so
 # they overlap the eager call (BERT-base's warm first call: the hash and the session, 0.3 s of it).
 _AHEAD = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clika_runtime-cache")
+
+
+def _renewed_in_child() -> None:
+    """A forked child has none of the pool's threads, but the pool counts them as started: it
+    would queue lookups no thread runs, and a capture would wait for one for ever."""
+    global _AHEAD
+    _AHEAD = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clika_runtime-cache")
+
+
+os.register_at_fork(after_in_child=_renewed_in_child)
 
 
 def ahead(target: Target, plan: CapturePlan) -> Ahead | None:

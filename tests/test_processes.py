@@ -1,0 +1,52 @@
+"""A compiled function in a forked child (DataLoader workers, fork-context pools, pre-fork
+servers): what the parent started (threads, sessions) is not in the child, which must capture,
+serve and re-capture as a fresh process would."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+import clika_runtime as cr
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).eval()
+
+
+_INHERITED: dict = {}  # what the parent holds when it forks: the child finds it here, not pickled
+
+
+def _child(batches, threads):
+    f, model = _INHERITED["f"], _INHERITED["model"]
+    torch.set_num_threads(threads)
+    with torch.no_grad():
+        for batch in batches:
+            x = torch.randn(batch, 4)
+            torch.testing.assert_close(f(x), model(x))
+    return [c.hits for c in f.captures]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_trap_a_forked_child_captures_and_serves(tmp_path, monkeypatch, threads):
+    """After a capture in the parent (disk cache on), a forked child's first capture waited for
+    ever on the disk cache's thread pool, whose worker threads the child does not have."""
+    monkeypatch.setattr(cr.config, "cache_dir", str(tmp_path))
+    model = _model()
+    f = cr.compile(model)
+    torch.set_num_threads(threads)
+    with torch.no_grad():
+        f(torch.randn(5, 4)), f(torch.randn(5, 4))
+    _INHERITED.update(f=f, model=model)
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            work = pool.apply_async(_child, ([5, 7, 7, 9, 5], threads))
+            hits = work.get(timeout=60)  # a hang fails here, not the whole run
+    finally:
+        _INHERITED.clear()
+        torch.set_num_threads(1)
+    assert sum(hits) >= 3, hits  # the parent's graph at 5, the child's own from 7 on
