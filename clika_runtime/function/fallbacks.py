@@ -28,6 +28,7 @@ from clika_runtime.capture.value import Capture
 from clika_runtime.function import staleness
 from clika_runtime.function.table import CacheTable, State, fallen_back, with_refused
 from clika_runtime.state import weights
+from clika_runtime.state.snapshot import plain_call
 
 logger = logging.getLogger("clika_runtime")
 
@@ -49,6 +50,8 @@ class Fallbacks:
         (``internal_error``), and the target never runs twice for one call."""
         if TARGETS.exclusive_here():  # called inside an export in this thread: be traced through
             return self.target.fn(*args, **kwargs)
+        if not plain_call():  # autocast, a mode, a trace, a transform: theirs, untouched (no lookup, no capture)
+            return self.target.eager(args, kwargs)
         progress = Progress()
         try:
             return self._miss(args, kwargs, progress)

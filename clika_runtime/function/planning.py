@@ -19,7 +19,7 @@ from clika_runtime.base.errors import SignatureError, SignatureValueError
 from clika_runtime.base.specs import TensorSpec
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge, Options, declared_axes
 from clika_runtime.function.table import CacheTable
-from clika_runtime.state.snapshot import autocast_off
+from clika_runtime.state.snapshot import plain_call
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import Lifted, closest, explain
@@ -62,8 +62,8 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     check_signature(call, options)
     if call.grad and torch.is_grad_enabled():
         return Eager()  # the caller is differentiating: stay eager, capture nothing
-    if not autocast_off():
-        return Eager()  # autocast picks each op's dtype: a graph keeps the dtypes it was traced at
+    if not plain_call():
+        return Eager()  # autocast, a mode, a trace or a transform: eager computes what they ask (snapshot._unusual)
     variants = table.entries.get(call.key, ())
     for capture in variants:
         if capture.guard.check(call.feeds) is None:

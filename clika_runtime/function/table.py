@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from clika_runtime.capture.plan import Knowledge
-from clika_runtime.state.snapshot import Snapshot
+from clika_runtime.state.snapshot import Snapshot, with_modes
 from clika_runtime.state.weights import Watch
 from clika_runtime.trees.key import CallKey, Described
 
@@ -49,8 +49,8 @@ class CacheTable:
     order; ``flat`` is the flat hit of the newest capture; ``watch`` checks the baked weights;
     ``snapshot`` the Python state the captures read (attributes, hooks, globals), but
     ``written``, what the target's own calls write (``self.last_batch = ...``);
-    ``fresh`` is the per-call check of both, and that no autocast region is active (one attribute
-    away from a call);
+    ``fresh`` is the per-call check of both, and that the call is plain (no autocast, mode or
+    trace: ``snapshot.plain_call``; one attribute away from a call);
     ``pending`` is the reason the next capture will give (a graph dropped, weights changed), and
     ``pending_spends`` whether that capture spends the re-capture budget;
     ``refused``: keys whose capture failed (a training-mode call, a dtype onnxruntime cannot
@@ -191,8 +191,8 @@ def _rebuilt(table: CacheTable, entries: dict, **changes: Any) -> CacheTable:
     watch = Watch([b for c in captures for b in c.baked])
     snapshot = changes.pop("snapshot", table.snapshot)
     snapshot = snapshot if captures else Snapshot([])  # nothing captured: nothing to watch
-    # Weights and state as captured, and no autocast region (its calls go the miss path: eager).
-    fresh = snapshot.check(watch.fresh) if snapshot.parts else watch.fresh
+    # Weights and state as captured, and a plain call (autocast, modes, traces: the miss path, eager).
+    fresh = snapshot.check(watch.fresh) if snapshot.parts else with_modes(watch.fresh)
     return replace(table, entries=MappingProxyType(entries), watch=watch, snapshot=snapshot,
                    fresh=_without_grad(fresh, tuple(b.tensor for b in watch.baked)), **changes)
 

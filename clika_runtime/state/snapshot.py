@@ -13,8 +13,8 @@ the snapshot (identity first, so an unchanged object is never compared by value)
 lengths (an added attribute), and torch's count of hook handles ever made (a hook added anywhere).
 Other modules' children are compared when torch's registration counter moves (``weights.py``
 watches it) and hooks when the handle count does (then only they are compared when nothing
-else moved). Autocast is not state but a mode of the call (``autocast_off``): under it calls
-run eagerly.
+else moved). Autocast, modes, traces and transforms are not state but the call's circumstances
+(``plain_call``): under them calls run eagerly.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class Snapshot:
 
     def check(self, weights: Callable[[], bool], modes: bool = True) -> Callable[[], bool]:
         """The served call's whole check as one closure: ``weights()`` first, then this state, then
-        (``modes``) that no autocast region is active."""
-        return _fresh_check(self.parts, weights, _any_autocast if modes else _never)
+        (``modes``) that the call is plain (``plain_call``)."""
+        return _fresh_check(self.parts, weights, _unusual if modes else _never)
 
     @classmethod
     def of(cls, fn: Any, owner: torch.nn.Module | None, skip: frozenset[tuple[str, str]] = frozenset()) -> "Snapshot":
@@ -101,11 +101,40 @@ def _autocast_check() -> Callable[[], bool]:
 
 
 _any_autocast = _autocast_check()
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_tracing = torch._C._get_tracing_state
+_transforming = torch._C._functorch.peek_interpreter_stack
 
 
-def autocast_off() -> bool:
-    """No ``torch.autocast`` region is active (graphs are captured at the inputs' own dtypes)."""
-    return not _any_autocast()
+def _unusual() -> bool:
+    """A call a graph cannot answer as eager would: under ``torch.autocast`` (it picks each op's
+    dtype), a TorchFunctionMode or TorchDispatchMode (the user's scaling or fake-quant mode, an
+    outer ``torch.export``'s tracer, ``FlopCounterMode``: each op is theirs to see or change),
+    ``torch.jit.trace`` (it would record the graph's output as a constant) or a ``torch.func``
+    transform (``vmap``, ``jvp``: batched or dual tensors). Five C calls, ~0.2 us."""
+    return bool(_any_autocast() or (_function_modes() and not _device_contexts_only()) or _dispatch_modes()
+                or _tracing() is not None or _transforming() is not None)
+
+
+def _device_contexts_only() -> bool:
+    """The function modes are torch's default-device contexts for CPU or CUDA alone
+    (``torch.set_default_device("cuda")`` keeps one for good): the graph's outputs go to its own
+    device, and it creates no tensor elsewhere."""
+    from torch.utils._device import DeviceContext
+
+    modes = [torch._C._get_function_stack_at(i) for i in range(_function_modes())]
+    return all(isinstance(m, DeviceContext) and torch.device(m.device).type in ("cpu", "cuda") for m in modes)
+
+
+def plain_call() -> bool:
+    """No autocast region, mode, trace or transform is active (``_unusual``): a graph may serve."""
+    return not _unusual()
+
+
+def with_modes(weights: Callable[[], bool]) -> Callable[[], bool]:
+    """``weights()`` and a plain call: the per-call check of a function with no Python state."""
+    return lambda: weights() and not _unusual()
 
 
 def _always() -> bool:
@@ -120,7 +149,7 @@ def _uniform(root: torch.nn.Module) -> bool:
     return len({m.training for m in root.modules()}) == 1
 
 
-def _fresh_check(parts: tuple[Part, ...], weights: Callable[[], bool], autocast: Callable[[], bool]) -> Callable[[], bool]:
+def _fresh_check(parts: tuple[Part, ...], weights: Callable[[], bool], unusual: Callable[[], bool]) -> Callable[[], bool]:
     """One closure over plain data: the weights, torch's hook count and default dtype (read
     inline: the commonest checks, the cheapest way), the lengths, then the watched values, each
     list compared whole."""
@@ -140,7 +169,7 @@ def _fresh_check(parts: tuple[Part, ...], weights: Callable[[], bool], autocast:
         try:
             return (weights() and handles.next_id == made and default_dtype() is dtype
                     and list(map(len, sized)) == sizes and list(map(_call, readers, read_from)) == values
-                    and not autocast())
+                    and not unusual())
         except Exception:  # a value whose == cannot answer (an array): the miss path compares carefully
             return False
 

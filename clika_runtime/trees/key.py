@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 _Tensor = torch.Tensor
+_PLAIN_TENSORS = (torch.nn.Parameter,)  # subclasses that compute as plain tensors do
 
 
 class CallKey(NamedTuple):
@@ -181,6 +182,9 @@ def split(
     grad = False
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, _Tensor):
+            if type(leaf) is not _Tensor and type(leaf) not in _PLAIN_TENSORS:
+                raise Unkeyable(f"a {type(leaf).__name__} (a tensor subclass: its operations are its own, "
+                                "and eager returns it) cannot feed a graph")
             feeds.append(leaf)
             shape = leaf.shape
             metas.append((leaf.dtype, len(shape), leaf.device, shape) if with_shapes else (leaf.dtype, len(shape), leaf.device))
