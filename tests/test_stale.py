@@ -106,6 +106,42 @@ def test_trap_parameters_stay_swappable_after_a_capture():
     assert f.recapture_reasons and "'fc.weight'" in f.recapture_reasons[-1]
 
 
+_NESTED_CHANGES = {
+    "load_state_dict": lambda m: m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()}),
+    "in place": lambda m: m.weight.mul_(2),
+    "attribute": lambda m: setattr(m, "scale", 5.0),
+    "forward hook": lambda m: m.register_forward_hook(lambda mod, args, out: out * 3),
+}
+
+
+class _Scaled(torch.nn.Linear):
+    scale = 1.0
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize("change", _NESTED_CHANGES)
+def test_trap_a_compiled_function_calling_another_sees_its_models_changes(change):
+    """A pipeline compiled around a separately compiled backbone baked the backbone's weights,
+    attributes and hooks, but watched none of them: after a new checkpoint it served the old."""
+    torch.manual_seed(0)
+    model = _Scaled(4, 4).eval()
+    inner = cr.compile(model)
+
+    def outer(x):
+        return inner(x) * 2 + 1
+
+    f = cr.compile(outer)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        f(x), f(x)
+        _NESTED_CHANGES[change](model)
+        for _ in range(2):
+            torch.testing.assert_close(f(x), outer(x))
+    assert f.recapture_count == 1, f.recapture_reasons
+
+
 def test_an_unrelated_registration_keeps_the_graph():
     model = Net().eval()
     f = cr.compile(model)

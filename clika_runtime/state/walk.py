@@ -5,7 +5,8 @@ children of ``Sequential`` / ``ModuleList`` / ``ModuleDict`` on every call), the
 ``forward`` names, objects those attributes hold that carry attributes of their own (configs,
 private attributes included; two levels), torch's global forward hooks and default dtype; for a
 function, its closure cells, defaults, code and the globals its code loads, a partial's
-arguments, a bound or callable object's attributes; and the modules found among all those, as
+arguments, a bound or callable object's attributes, what a compiled function found among them
+wraps (its model, its function's variables); and the modules found among all those, as
 trees (``modules_reached``: ``weights.py`` watches their tensors); the plain values in the bodies
 of the user's own classes of those modules and objects (``LIMIT = 0.5``: not torch's or
 transformers' classes, whose state is their version's). Not watched: modules' private
@@ -86,6 +87,13 @@ def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]
             walk.seen.add(id(value))
             items = value.items() if isinstance(value, dict) else enumerate(value)
             return [part for key, item in items for part in _held(item, f"{name}.{key}", walk, depth - 1)]
+        if _wraps(value):  # a compiled function (a wrapper object): its target's state is the caller's too
+            if id(value) in walk.seen:
+                return []
+            walk.seen.add(id(value))
+            layers = list(_unwrapped(value))[1:]
+            return [part for layer in layers for part in
+                    (_held(layer, name, walk, depth) if isinstance(layer, torch.nn.Module) else _callable(layer, walk))]
         return _objects(value, name, walk, depth) if _carries_attributes(value) else []
     except Exception:  # a property that raises, a recursion too deep: not watched
         return []
@@ -251,6 +259,12 @@ def filled(cell: Any) -> bool:
     except ValueError:  # an empty cell (a name assigned after the function was made)
         return False
     return True
+
+
+def _wraps(value: Any) -> bool:
+    """An object, not a function, that wraps a callable (``__wrapped__``): a compiled function
+    called from the target, whose graph the target's capture traces through and bakes."""
+    return not isinstance(value, _CODE) and callable(value) and getattr(value, "__wrapped__", None) is not None
 
 
 def _carries_attributes(value: Any) -> bool:
