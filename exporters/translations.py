@@ -27,7 +27,8 @@ none: torchlib's translation alone).
 (a pixel index of a 5000x5000 image got the wrong row), and a zero divisor gave INT64_MIN where
 torch raises. Ours divides the integers: onnxruntime's integer Div truncates (and fails on a zero
 divisor: the call then runs eagerly and raises torch's error); floor is torchlib's exact
-``floor_divide``.
+``floor_divide``. A divisor of -1 negates instead (``//`` too): onnxruntime's Div traps on the lowest
+integer divided by -1 and the process died, where torch wraps.
 
 Nearest resizes (``upsample_nearest{1,2,3}d.vec``, ``_upsample_nearest_exact{1,2,3}d.vec``):
 torch's source index is ``min(floor((i + offset) * scale), in - 1)`` in float32 with
@@ -250,7 +251,24 @@ def div_mode(self: Any, other: Any, rounding_mode: str | None = None) -> Any:
         and isinstance(other, ir.Value) and other.dtype == self.dtype
     if not exact:
         return core.aten_div_mode(self, other, rounding_mode)
-    return op.Div(self, other) if rounding_mode == "trunc" else core.aten_floor_divide(self, other)
+    return _integer_division(self, other, op.Div if rounding_mode == "trunc" else core.aten_floor_divide)
+
+
+def floor_divide(self: Any, other: Any) -> Any:
+    """torchlib's ``//``; integers by ``_integer_division``."""
+    if self.dtype.is_integer() and isinstance(other, ir.Value) and other.dtype == self.dtype:
+        return _integer_division(self, other, core.aten_floor_divide)
+    return core.aten_floor_divide(self, other)
+
+
+def _integer_division(self: Any, other: Any, divide: Callable[[Any, Any], Any]) -> Any:
+    """``divide(self, other)`` but by -1, which is a negation: onnxruntime's integer Div traps
+    (SIGFPE, the process dies) on the lowest integer divided by -1, which torch wraps to itself."""
+    minus_one = op.CastLike(op.Constant(value_int=-1), other)
+    flips = op.Equal(other, minus_one)
+    divisor = op.Where(flips, op.CastLike(op.Constant(value_int=1), other), other)
+    divisor.shape, divisor.dtype = other.shape, other.dtype  # what torchlib's floor_divide reads
+    return op.Where(flips, op.Neg(self), divide(self, divisor))
 
 
 def _upsample_nearest(exact: bool) -> Callable[..., Any]:
@@ -339,6 +357,7 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.signbit.default: signbit,
     torch.ops.aten.div.Tensor_mode: div_mode,
     torch.ops.aten.div.Scalar_mode: div_mode,
+    torch.ops.aten.floor_divide.default: floor_divide,
     torch.ops.aten.amax.default: _propagating_reduction(core.aten_amax),
     torch.ops.aten.amin.default: _propagating_reduction(core.aten_amin),
     torch.ops.aten.max.default: _propagating_full(core.aten_max),
