@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 from onnxscript import ir
-from onnxscript.function_libs.torch_lib.ops import core, nn
+from onnxscript.function_libs.torch_lib.ops import core, nn, prims
 from onnxscript.onnx_opset import opset18 as op
 
 from exporters import log_domain
@@ -339,6 +339,36 @@ def _window_weights(x: Any, axis: int, out: int) -> Any:
     return op.CastLike(weights, x)
 
 
+def mean(self: Any, dtype: int = -1) -> Any:
+    """torchlib's mean; NaN over nothing (below)."""
+    return _nan_when_empty(self, None, core.aten_mean(self, dtype))
+
+
+def mean_dim(self: Any, dim: Any, keepdim: bool = False, dtype: int = -1) -> Any:
+    """torchlib's mean over ``dim``; NaN over nothing (below)."""
+    return _nan_when_empty(self, dim, core.aten_mean_dim(self, dim, keepdim, dtype))
+
+
+def var(inp: Any, dims: Sequence[int] | None, correction: int, output_dtype: int | None = None) -> Any:
+    """torchlib's variance; NaN over nothing (below)."""
+    return _nan_when_empty(inp, dims, prims.prims_var(inp, dims, correction, output_dtype))
+
+
+def _nan_when_empty(x: Any, dims: Any, out: Any) -> Any:
+    """``out``, NaN where the reduced axes of ``x`` hold no element (a mean loss over the tokens
+    a mask selects, none this time): torch's mean and variance of nothing are NaN, onnxruntime's
+    0 and -0. Only for axes whose size is not known at export: a static size is never 0 here."""
+    rank = len(x.shape)
+    axes = range(rank) if dims is None or (isinstance(dims, Sequence) and not dims) else         [dims] if isinstance(dims, int) else list(dims)
+    axes = [a % rank for a in axes] if rank else []
+    if all(isinstance(x.shape[a], int) and x.shape[a] > 0 for a in axes):
+        return out
+    shape = op.Shape(x)
+    count = op.ReduceProd(op.Gather(shape, op.Constant(value_ints=axes)), keepdims=0) if axes else         op.Constant(value_int=1)
+    nan = op.CastLike(op.Constant(value_float=float("nan")), out)
+    return op.Where(op.Equal(count, op.Constant(value_int=0)), nan, out)
+
+
 def signbit(self: Any) -> Any:
     """Whether the sign bit is set: also for -0.0 (torchlib's ``x < 0`` said False), whose
     reciprocal is -inf."""
@@ -355,6 +385,9 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.logaddexp2.default: log_domain.logaddexp2,
     torch.ops.aten.logcumsumexp.default: log_domain.logcumsumexp,
     torch.ops.aten.signbit.default: signbit,
+    torch.ops.aten.mean.default: mean,
+    torch.ops.aten.mean.dim: mean_dim,
+    torch.ops.prims.var.default: var,
     torch.ops.aten.div.Tensor_mode: div_mode,
     torch.ops.aten.div.Scalar_mode: div_mode,
     torch.ops.aten.floor_divide.default: floor_divide,

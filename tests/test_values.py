@@ -121,3 +121,21 @@ def test_trap_the_lowest_integer_floor_divided_by_minus_one_wraps_as_in_eager():
     lowest64, lowest32 = -2**63, -2**31
     assert done.stdout.split("\n")[:2] == [f"[[{lowest64}, 2, 7], [{lowest64}, 2, 7]]",
                                             f"[[{lowest32}, 2, 7], [{lowest32}, 2, 7]]"], done.stdout
+
+
+EMPTY_SELECTIONS = {
+    "mean": lambda x, m: x[m].mean(),
+    "mean over an axis": lambda x, m: x[m.all(1)].mean(0),
+    "var": lambda x, m: x[m].var(),
+    "std": lambda x, m: x[m].std(),
+}
+
+
+@pytest.mark.parametrize("name", EMPTY_SELECTIONS)
+def test_trap_a_mean_or_variance_over_an_empty_selection_is_nan(name):
+    """``loss[valid].mean()`` over a batch with no valid token: torch's NaN, onnxruntime's 0."""
+    fn = EMPTY_SELECTIONS[name]
+    x = torch.rand(4, 5)
+    got, want = _served(fn, (x, torch.ones(4, 5, dtype=torch.bool)), (x, torch.zeros(4, 5, dtype=torch.bool)))
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert got.isnan().all()
