@@ -52,6 +52,7 @@ traced size; the graph was served at sizes whose windows are longer (output 7: w
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -339,6 +340,34 @@ def _window_weights(x: Any, axis: int, out: int) -> Any:
     return op.CastLike(weights, x)
 
 
+def clamp(self: Any, min: float | None = None, max: float | None = None) -> Any:  # noqa: A002 (torch's names)
+    """torchlib's Clip; with one bound, the other side's infinity kept (below)."""
+    out = core.aten_clamp(self, min, max)
+    if (min is None) == (max is None):
+        return out
+    return _infinity_kept(self, out, below=min is None)
+
+
+def clamp_max(self: Any, max_: float) -> Any:
+    """torchlib's Clip with an upper bound, ``-inf`` kept."""
+    return _infinity_kept(self, core.aten_clamp_max(self, max_), below=True)
+
+
+def clamp_min(self: Any, min_: float) -> Any:
+    """torchlib's Clip with a lower bound, ``+inf`` kept."""
+    return _infinity_kept(self, core.aten_clamp_min(self, min_), below=False)
+
+
+def _infinity_kept(x: Any, clipped: Any, below: bool) -> Any:
+    """``clipped``, but ``x`` where it is the infinity on the unbounded side: onnxruntime's Clip
+    takes a missing bound as the dtype's lowest (highest) finite value, so ``scores.clamp(max=50)``
+    turned a masked -inf into -3.4e38 (a fully masked softmax row: even weights, not NaN)."""
+    if x.dtype not in _FLOATS:
+        return clipped
+    infinity = op.CastLike(op.Constant(value_float=-math.inf if below else math.inf), x)
+    return op.Where(op.Equal(x, infinity), x, clipped)
+
+
 def mean(self: Any, dtype: int = -1) -> Any:
     """torchlib's mean; NaN over nothing (below)."""
     return _nan_when_empty(self, None, core.aten_mean(self, dtype))
@@ -385,6 +414,9 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.logaddexp2.default: log_domain.logaddexp2,
     torch.ops.aten.logcumsumexp.default: log_domain.logcumsumexp,
     torch.ops.aten.signbit.default: signbit,
+    torch.ops.aten.clamp.default: clamp,
+    torch.ops.aten.clamp_max.default: clamp_max,
+    torch.ops.aten.clamp_min.default: clamp_min,
     torch.ops.aten.mean.default: mean,
     torch.ops.aten.mean.dim: mean_dim,
     torch.ops.prims.var.default: var,

@@ -139,3 +139,20 @@ def test_trap_a_mean_or_variance_over_an_empty_selection_is_nan(name):
     got, want = _served(fn, (x, torch.ones(4, 5, dtype=torch.bool)), (x, torch.zeros(4, 5, dtype=torch.bool)))
     torch.testing.assert_close(got, want, equal_nan=True)
     assert got.isnan().all()
+
+
+_INFINITIES = torch.tensor([[1.0, 2.0, -torch.inf, -torch.inf], [-torch.inf, -torch.inf, torch.inf, 3.0]])
+ONE_SIDED_CLAMPS = {
+    "clamp(max=)": lambda x: x.clamp(max=0.0),
+    "clamp(min=)": lambda x: x.clamp(min=0.0),
+    "clamp_max": lambda x: torch.clamp_max(x, 5.0),
+    "clamp_min": lambda x: torch.clamp_min(x, -5.0),
+    "masked scores clamped, softmax": lambda x: x.clamp(max=50.0).softmax(-1),
+}
+
+
+@pytest.mark.parametrize("name", ONE_SIDED_CLAMPS)
+def test_trap_a_one_sided_clamp_keeps_the_other_infinity(name):
+    fn = ONE_SIDED_CLAMPS[name]
+    got, want = _served(fn, (torch.randn(2, 4),), (_INFINITIES,))
+    torch.testing.assert_close(got, want, equal_nan=True)
