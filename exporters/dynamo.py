@@ -348,8 +348,8 @@ class Uncapturable(RuntimeError):
 
 class WritesState(Uncapturable):
     """The traced function writes its module's buffers (``self.last.copy_(x)``, a training-mode
-    batch norm's running statistics): a graph returns outputs only, so served calls would skip the
-    writes."""
+    batch norm's running statistics) or parameters (``nn.Embedding(max_norm=...)``): a graph
+    returns outputs only, so served calls would skip the writes."""
 
 
 class DrawsRandom(Uncapturable):
@@ -384,15 +384,27 @@ def _draws(node: torch.fx.Node) -> bool:
 
 
 def _refuse_state_writes(program: Any, owner: torch.nn.Module | None) -> None:
-    written = sorted(set(program.graph_signature.buffers_to_mutate.values()))
-    if not written:
+    buffers = sorted(set(program.graph_signature.buffers_to_mutate.values()))
+    parameters = sorted(_written_in_place(program))
+    if not buffers and not parameters:
         return
-    names = [n.removeprefix("owner.") for n in written]  # the owner's own names (see `_owned`)
+    names = [n.removeprefix("owner.") for n in buffers]  # the owner's own names (see `_owned`)
+    what = " and ".join(part for part in (f"buffer(s) {names}" if names else "",
+                                          f"parameter(s) {[n.removeprefix('owner.') for n in parameters]}"
+                                          if parameters else "") if part)
     training = owner is not None and owner.training
     raise WritesState(
-        f"the target writes buffer(s) {names} in place, which served calls would skip"
+        f"the target writes {what} in place, which served calls would skip"
         + (" (a training-mode module updates its statistics: call .eval() before serving)" if training
            else " (keep the write out of the compiled function, or return the new value instead)"))
+
+
+def _written_in_place(program: Any) -> set[str]:
+    """Parameters the trace writes in place, each as ``name (op)``: ``nn.Embedding(max_norm=...)``
+    renormalises the rows it looks up, on every call (``embedding_renorm``)."""
+    mutated = getattr(program.graph_signature, "parameters_to_mutate", None) or {}
+    ops = {node.name: str(getattr(node.target, "__name__", node.target)).split(".")[0] for node in program.graph.nodes}
+    return {f"{name} ({ops.get(output, output)})" for output, name in mutated.items()}
 
 
 def _edited(

@@ -156,3 +156,29 @@ def test_trap_a_one_sided_clamp_keeps_the_other_infinity(name):
     fn = ONE_SIDED_CLAMPS[name]
     got, want = _served(fn, (torch.randn(2, 4),), (_INFINITIES,))
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+class _TiedMaxNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4, max_norm=1.0)
+
+    def forward(self, ids):
+        return self.emb(ids) @ self.emb.weight.T  # a tied output layer reads the renormalised rows
+
+
+def test_trap_an_embedding_with_max_norm_writes_its_weight_and_is_never_served():
+    """``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in place, on every call;
+    a graph would skip the writes (the weight and a tied layer's logits then drift from eager's)."""
+    torch.manual_seed(0)
+    model, twin = _TiedMaxNorm().eval(), _TiedMaxNorm().eval()
+    with torch.no_grad():
+        model.emb.weight.mul_(3)
+        twin.load_state_dict(model.state_dict())
+    f = cr.compile(model)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"writes parameter\(s\) \[.emb.weight \(embedding_renorm\).\]"):
+        for seed in range(4):
+            ids = torch.randint(0, 10, (2, 3), generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(f(ids), twin(ids))
+    torch.testing.assert_close(model.emb.weight, twin.emb.weight)
+    assert not any(c.hits for c in f.captures)
