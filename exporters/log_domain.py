@@ -1,5 +1,8 @@
 """Translations of the log-domain ops torch computes stably and torchlib computes naively.
 
+``log1p`` and ``expm1`` (torchlib's ``log(x + 1)`` and ``exp(x) - 1``) lose every digit of a tiny
+``x``; ours keep them (``log1p``, ``expm1`` below).
+
 torchlib writes ``log_sigmoid`` as ``log(sigmoid(x))``, ``logaddexp`` as ``log(exp(a) + exp(b))``
 and ``logcumsumexp`` as ``log(cumsum(exp(x - max(x)))) + max(x)``. Each is exact at the values a
 capture is verified at and wrong at others: onnxruntime's sigmoid is 0 from x <= -18 (and 2x off
@@ -65,6 +68,24 @@ def logcumsumexp(self: Any, dim: int) -> Any:
     return total
 
 
+def log1p(self: Any) -> Any:
+    """``log(1 + x)`` to float rounding for tiny ``x`` (torchlib's ``log(x + 1)`` is 0 for
+    |x| < 6e-8: ``n * log1p(-p)`` with p = 1e-9 and n = 1e9 gave 0, not -1); ``+inf`` stays."""
+    positive_infinity = op.IsInf(self, detect_negative=0)
+    return op.Where(positive_infinity, self, _log1p(self))
+
+
+def expm1(self: Any) -> Any:
+    """``exp(x) - 1`` to float rounding for tiny ``x`` (Kahan: ``(u - 1) * x / log(u)`` with
+    ``u = exp(x)``; ``x`` where ``u`` rounds to 1, -1 where ``u - 1`` does, ``u`` where it is +inf)."""
+    u = op.Exp(self)
+    gap = op.Sub(u, _like(1.0, u))
+    exact = op.Div(op.Mul(gap, self), op.Log(u))
+    out = op.Where(op.Equal(gap, _like(-1.0, u)), gap, exact)
+    out = op.Where(op.IsInf(u, detect_negative=0), u, out)
+    return op.Where(op.Equal(u, _like(1.0, u)), self, out)
+
+
 def _log_add(a: Any, b: Any, ratio: Any, scale: Any) -> Any:
     """``max(a, b) + log1p(ratio) [/ scale]``, or ``a`` where ``a`` and ``b`` are the same infinity
     (their difference is NaN there; torch returns the infinity)."""
@@ -74,10 +95,10 @@ def _log_add(a: Any, b: Any, ratio: Any, scale: Any) -> Any:
 
 
 def _log1p(u: Any) -> Any:
-    """``log(1 + u)`` for ``u`` in [0, 1], to float rounding also where ``u`` is below the
-    precision of 1 + u (ONNX has no Log1p): ``log(w) * u / (w - 1)`` with ``w = 1 + u``, and ``u``
-    where ``w`` rounds to 1 (Goldberg, "What every computer scientist should know about
-    floating-point arithmetic", theorem 4)."""
+    """``log(1 + u)`` for finite ``u``, to float rounding also where ``u`` is below the precision
+    of 1 + u (ONNX has no Log1p): ``log(w) * u / (w - 1)`` with ``w = 1 + u``, and ``u`` where
+    ``w`` rounds to 1 (Goldberg, "What every computer scientist should know about floating-point
+    arithmetic", theorem 4)."""
     one = _like(1.0, u)
     w = op.Add(u, one)
     gap = op.Sub(w, one)

@@ -413,6 +413,8 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.logaddexp.default: log_domain.logaddexp,
     torch.ops.aten.logaddexp2.default: log_domain.logaddexp2,
     torch.ops.aten.logcumsumexp.default: log_domain.logcumsumexp,
+    torch.ops.aten.log1p.default: log_domain.log1p,
+    torch.ops.aten.expm1.default: log_domain.expm1,
     torch.ops.aten.signbit.default: signbit,
     torch.ops.aten.clamp.default: clamp,
     torch.ops.aten.clamp_max.default: clamp_max,

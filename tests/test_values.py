@@ -64,6 +64,9 @@ LOG_DOMAIN = {
     "logcumsumexp over a dynamic axis": (lambda x: torch.logcumsumexp(x, -1), (_PROBABILITIES[:, :7],)),
     "isclose within atol": (torch.isclose, (torch.tensor([0.0, 0.0, 1e-9, 0.0]), torch.tensor([5e-9, 1e-30, 0.0, -9e-9]))),
     "signbit of -0.0": (torch.signbit, (torch.tensor([-0.0, 0.0, -1.0, 1.0, -1e-30]),)),
+    "log1p": (lambda x: torch.log1p(x) * 1e9, (torch.tensor([-1e-9, 1e-9, 3e-8, -1.0, 0.0, 1e30, torch.inf, -0.5]),)),
+    "expm1": (lambda x: torch.expm1(x) * 1e9, (torch.tensor([-1e-9, 1e-9, 3e-8, -100.0, 0.0, 80.0, torch.inf,
+                                                             -torch.inf, 1e-3]),)),
 }
 
 
