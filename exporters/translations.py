@@ -1,7 +1,8 @@
 """Our ONNX translations of the aten ops whose torchlib translation computes something other
 than torch does; each is registered ahead of torchlib's and delegates to it where it agrees.
 
-``embedding``, ``gather``, ``index_select`` with a negative index: torch raises (``IndexError``:
+``embedding``, ``gather``, ``index_select`` with a negative index, ``nll_loss`` and
+``cross_entropy_loss`` with a negative class other than ``ignore_index``: torch raises (``IndexError``:
 an id of -1 used as padding, an unfilled slot), ONNX's Gather counts it from the end and the graph
 served the last row. Ours turns a negative index into one past the end, which onnxruntime refuses
 at run time; the call then runs eagerly and raises torch's own error.
@@ -124,6 +125,33 @@ def index_select(self: Any, dim: int, index: Any) -> Any:
     if len(self.shape) > 0:
         index = _negative_past_end(index, self, dim % len(self.shape))
     return core.aten_index_select(self, dim, index)
+
+
+def nll_loss(self: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: int = -100) -> Any:
+    """torchlib's nll_loss, a negative class (but ``ignore_index``) refused at run time."""
+    return nn.aten_nll_loss(self, _negative_class_past_end(target, self, ignore_index), weight, reduction,
+                            ignore_index)
+
+
+def cross_entropy_loss(self: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: int = -100,
+                       label_smoothing: float = 0.0) -> Any:
+    """torchlib's cross_entropy_loss, a negative class (but ``ignore_index``) refused at run time:
+    labels padded with -1 under the default ``ignore_index=-100`` raise in torch."""
+    if target.dtype is not None and target.dtype.is_integer():
+        target = _negative_class_past_end(target, self, ignore_index)
+    return nn.aten_cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing)
+
+
+def _negative_class_past_end(target: Any, scores: Any, ignore_index: int) -> Any:
+    """``target`` with each negative class but ``ignore_index`` replaced by the class count:
+    out of range, which onnxruntime refuses (the call then runs eagerly and raises torch's error)."""
+    axis = 1 if len(scores.shape) > 1 else 0
+    classes = op.CastLike(op.Squeeze(op.Shape(scores, start=axis, end=axis + 1)), target)
+    bad = op.And(op.Less(target, op.CastLike(op.Constant(value_int=0), target)),
+                 op.Not(op.Equal(target, op.CastLike(op.Constant(value_int=ignore_index), target))))
+    fixed = op.Where(bad, classes, target)
+    fixed.shape, fixed.dtype = target.shape, target.dtype  # what torchlib's translation reads of its target
+    return fixed
 
 
 def _negative_past_end(index: Any, data: Any, axis: int) -> Any:
@@ -439,6 +467,8 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.embedding.default: embedding,
     torch.ops.aten.gather.default: gather,
     torch.ops.aten.index_select.default: index_select,
+    torch.ops.aten.nll_loss.default: nll_loss,
+    torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
     torch.ops.aten._adaptive_avg_pool2d.default: adaptive_avg_pool2d,
     **{getattr(torch.ops.aten, f"upsample_nearest{n}d").vec: _upsample_nearest(exact=False) for n in (1, 2, 3)},
     **{getattr(torch.ops.aten, f"_upsample_nearest_exact{n}d").vec: _upsample_nearest(exact=True) for n in (1, 2, 3)},

@@ -292,7 +292,9 @@ def test_random_draws_are_not_captured(draw):
     lambda x, i: torch.nn.functional.embedding(i, x),
     lambda x, i: torch.gather(x, 1, i),
     lambda x, i: torch.index_select(x, 1, i.flatten()),
-], ids=["embedding", "gather", "index_select"])
+    lambda x, i: torch.nn.functional.cross_entropy(x[:2], i.flatten()),  # labels padded with -1
+    lambda x, i: torch.nn.functional.nll_loss(x[:2].log_softmax(-1), i.flatten(), reduction="none"),
+], ids=["embedding", "gather", "index_select", "cross_entropy", "nll_loss"])
 def test_a_negative_index_raises_as_eager_does(lookup):
     """ONNX's Gather counts a negative index from the end; torch raises (an id of -1 used as
     padding). The graph must not answer with the last row."""
