@@ -133,22 +133,43 @@ def nll_loss(self: Any, target: Any, weight: Any = None, reduction: int = 1, ign
                             ignore_index)
 
 
-def cross_entropy_loss(self: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: int = -100,
+def cross_entropy_loss(self: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: Any = -100,
                        label_smoothing: float = 0.0) -> Any:
     """torchlib's cross_entropy_loss, a negative class (but ``ignore_index``) refused at run time:
-    labels padded with -1 under the default ``ignore_index=-100`` raise in torch."""
+    labels padded with -1 under the default ``ignore_index=-100`` raise in torch. An
+    ``ignore_index`` that is a size (a question-answering head ignores positions past the
+    sequence: ``ignore_index=seq_len``) is no attribute onnxruntime's loss takes: computed here."""
     if target.dtype is not None and target.dtype.is_integer():
         target = _negative_class_past_end(target, self, ignore_index)
+    if isinstance(ignore_index, ir.Value) and weight is None and not label_smoothing:
+        return _cross_entropy_ignoring(self, target, ignore_index, reduction)
     return nn.aten_cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing)
 
 
-def _negative_class_past_end(target: Any, scores: Any, ignore_index: int) -> Any:
+def _cross_entropy_ignoring(scores: Any, target: Any, ignore_index: Any, reduction: int) -> Any:
+    """``-log_softmax(scores)[target]`` over classes (axis 1), 0 where ``target == ignore_index``;
+    the mean is over the others (NaN when none is left, as in torch)."""
+    ignore = op.CastLike(ignore_index, target)
+    kept = op.Not(op.Equal(target, ignore))
+    one = op.Constant(value_ints=[1])
+    picked = op.GatherElements(op.LogSoftmax(scores, axis=1), op.Unsqueeze(op.Where(kept, target, op.CastLike(
+        op.Constant(value_int=0), target)), one), axis=1)
+    losses = op.Where(kept, op.Neg(op.Squeeze(picked, one)), op.CastLike(op.Constant(value_float=0.0), scores))
+    if reduction == 0:
+        return losses
+    total = op.ReduceSum(losses, keepdims=0)
+    return total if reduction == 2 else op.Div(total, op.CastLike(op.ReduceSum(op.Cast(kept, to=ir.DataType.INT64),
+                                                                               keepdims=0), scores))
+
+
+def _negative_class_past_end(target: Any, scores: Any, ignore_index: Any) -> Any:
     """``target`` with each negative class but ``ignore_index`` replaced by the class count:
     out of range, which onnxruntime refuses (the call then runs eagerly and raises torch's error)."""
     axis = 1 if len(scores.shape) > 1 else 0
     classes = op.CastLike(op.Squeeze(op.Shape(scores, start=axis, end=axis + 1)), target)
-    bad = op.And(op.Less(target, op.CastLike(op.Constant(value_int=0), target)),
-                 op.Not(op.Equal(target, op.CastLike(op.Constant(value_int=ignore_index), target))))
+    ignore = op.CastLike(ignore_index if isinstance(ignore_index, ir.Value) else op.Constant(value_int=ignore_index),
+                         target)
+    bad = op.And(op.Less(target, op.CastLike(op.Constant(value_int=0), target)), op.Not(op.Equal(target, ignore)))
     fixed = op.Where(bad, classes, target)
     fixed.shape, fixed.dtype = target.shape, target.dtype  # what torchlib's translation reads of its target
     return fixed

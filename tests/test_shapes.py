@@ -427,3 +427,24 @@ def test_trap_an_input_whose_length_the_exporter_derives_from_another_serves_eve
         assert target.calls == calls + 1
     dims = _graph_dims(f)
     assert dims["x"] == [2, "x_dim1"] and dims["mask"][0] == 2 and isinstance(dims["mask"][1], str)
+
+
+def _span_loss(logits, positions):
+    # A question-answering head's loss: positions past the sequence are ignored (ignore_index=seq_len).
+    length = logits.shape[1]
+    return torch.nn.functional.cross_entropy(logits, positions.clamp(0, length), ignore_index=length)
+
+
+def test_trap_a_loss_that_ignores_the_sequence_length_stays_dynamic():
+    """``ignore_index`` a size: onnxruntime's loss takes it as an attribute, so the axis was
+    exported static, every length re-captured, and past the budget the function (its calls
+    without labels too) served eagerly for good."""
+    target = Counted(_span_loss)
+    f = cr.compile(target)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for length in (15, 27, 21, 13, 30, 23, 16, 25, 11, 19):
+            logits = torch.randn(3, length, generator=generator)
+            positions = torch.tensor([0, length - 1, length + 4])  # the last one past the end: ignored
+            torch.testing.assert_close(f(logits, positions), _span_loss(logits, positions))
+    assert f.recapture_count == 1 and f.state is State.Compiled, f.recapture_reasons
