@@ -448,3 +448,31 @@ def test_trap_a_loss_that_ignores_the_sequence_length_stays_dynamic():
             positions = torch.tensor([0, length - 1, length + 4])  # the last one past the end: ignored
             torch.testing.assert_close(f(logits, positions), _span_loss(logits, positions))
     assert f.recapture_count == 1 and f.state is State.Compiled, f.recapture_reasons
+
+
+def _weighted_span_loss(logits, positions, weight):
+    length = logits.shape[1]  # onnxruntime's loss takes ignore_index as an attribute: no dynamic length
+    return torch.nn.functional.cross_entropy(logits, positions.clamp(0, length), weight=weight[:length],
+                                             ignore_index=length)
+
+
+def test_trap_an_axis_the_export_could_not_make_dynamic_serves_per_size_and_never_falls_back():
+    """An axis captured static after its dynamic export failed: each new size re-captured and
+    replaced the graph before it, and past the budget the whole function served eagerly for good.
+    Each size now gets a graph beside the others; past the budget new sizes run eagerly alone."""
+    target = Counted(_weighted_span_loss)
+    f = cr.compile(target)
+    weight = torch.rand(64)
+    lengths = list(range(8, 8 + cr.config.recapture_limit + 3))
+    with torch.no_grad(), pytest.warns(UserWarning, match="re-capture limit"):
+        for length in lengths:
+            logits, positions = torch.randn(3, length), torch.tensor([0, length - 1, length + 4])
+            torch.testing.assert_close(f(logits, positions, weight), _weighted_span_loss(logits, positions, weight))
+    assert f.state is State.Compiled and f.fallback_reason is None
+    kept = [c.inputs[0].shape[1] for c in f.captures]
+    calls = target.calls
+    with torch.no_grad():
+        for length in kept:
+            logits, positions = torch.randn(3, length), torch.tensor([0, length - 1, length + 4])
+            torch.testing.assert_close(f(logits, positions, weight), _weighted_span_loss(logits, positions, weight))
+    assert target.calls == calls

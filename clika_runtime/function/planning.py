@@ -116,7 +116,7 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     declared = declared_axes(call, options)
     # Sizes a capture was not traced for first: a pinned axis is the rarer reading of a mismatch.
     beside = next(((c, p, False) for c, p in found if {m.kind for m in p} <= VARIANT_KINDS), None) or \
-        next(((c, p, True) for c, p in found if _pinned(c, p, call)), None)
+        next(((c, p, True) for c, p in found if _pinned(c, p, call, table.knowledge.static_axes)), None)
     if beside is not None:
         capture, problems, pinned = beside
         point = capture.guard.point(call.feeds)
@@ -152,14 +152,16 @@ def _drift(problem: Any) -> str:
     return f"shape drift: input '{problem.input}' axis {problem.axis}: {problem.expected} -> {problem.got}"
 
 
-def _pinned(capture: "Capture", problems: Sequence[Any], call: Call) -> bool:
+def _pinned(capture: "Capture", problems: Sequence[Any], call: Call, static: frozenset[tuple[str, int]]) -> bool:
     """Whether a call lies outside a capture only by sizes on axes the capture asked the exporter
     to keep dynamic and it traced static (torch.export specialises a sequence an RNN or a Python
-    loop walks, and a size a branch compares): another re-capture would pin it again, so each
-    size gets a variant of its own, beside the others, as torch.compile re-compiles per size."""
+    loop walks, and a size a branch compares), or that an export could not make dynamic
+    (``static``: a loss whose ``ignore_index`` is the length): another re-capture would pin it
+    again, so each size gets a variant of its own, beside the others, as torch.compile
+    re-compiles per size."""
     sized = [p for p in problems if p.kind == "size"]
     return len(sized) == len(problems) > 0 and all(
-        p.axis in capture.dynamic[call.names.index(p.input)] for p in sized)
+        p.axis in capture.dynamic[call.names.index(p.input)] or (p.input, p.axis) in static for p in sized)
 
 
 def _small_sizes(problems: Sequence[Any]) -> bool:
