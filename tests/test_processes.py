@@ -5,7 +5,6 @@ serve and re-capture as a fresh process would."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 
 import pytest
 import torch
