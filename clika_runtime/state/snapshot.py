@@ -101,10 +101,11 @@ def _autocast_check() -> Callable[[], bool]:
 
 
 _any_autocast = _autocast_check()
-_function_modes = torch._C._len_torch_function_stack
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_tracing = torch._C._get_tracing_state
-_transforming = torch._C._functorch.peek_interpreter_stack
+# torch's private C getters of its mode stacks, tracer and transforms (a torch without one: never).
+_function_modes = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_tracing = getattr(torch._C, "_get_tracing_state", lambda: None)
+_transforming = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
 
 
 def _unusual() -> bool:
