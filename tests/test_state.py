@@ -598,3 +598,28 @@ def test_a_hook_made_elsewhere_costs_one_look_and_no_capture():
     table = f._lifecycle.table
     with torch.no_grad():
         assert f.recapture_count == 0 and table.fresh() and table.snapshot.changed() == []
+
+
+_HISTORY: list = []
+_LAST: dict = {}
+
+
+def _scored(x):
+    y = x.softmax(-1)
+    _HISTORY.append(y.amax(-1))  # a per-call log of confidences, the last batch kept for debugging
+    _LAST["y"] = y
+    return y
+
+
+def test_trap_the_capture_leaves_no_fake_tensor_in_what_the_target_writes():
+    """The export runs the target's Python again over fake tensors: its append to a global list
+    and its write to a global dict left a FakeTensor there (using it raised) beside the eager
+    call's own entries."""
+    _HISTORY.clear(), _LAST.clear()
+    f = cr.compile(_scored)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        y = f(x)
+    assert len(_HISTORY) == 1 and type(_HISTORY[0]) is torch.Tensor and type(_LAST["y"]) is torch.Tensor
+    torch.testing.assert_close(_LAST["y"], y)
+    torch.testing.assert_close(torch.stack(_HISTORY), y.amax(-1)[None])

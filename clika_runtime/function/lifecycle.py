@@ -177,6 +177,7 @@ class Lifecycle(Fallbacks):
             # The state the trace starts from: a change another thread makes while it runs is a
             # change the next call sees (taken after the trace, it would be baked unseen).
             snapshot = before.refreshed(written)
+            put_back = before.keeper(written)  # what the trace's own writes would overwrite
         plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
         try:
             attempt = degrade.build(self.target, plan, out, ahead)
@@ -184,6 +185,8 @@ class Lifecycle(Fallbacks):
             why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
                 if written and isinstance(error, VerificationError) else ""
             return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
+        finally:
+            put_back()
         attempt.notes.extend(_unwatched(attempt.capture, written))
         self._said_precision(attempt.capture, attempt.notes)
         with self.lock:

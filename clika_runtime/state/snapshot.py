@@ -94,6 +94,38 @@ class Snapshot:
                          and key not in MODULE_PRIVATE)
 
 
+    def keeper(self, written: frozenset[tuple[str, str]]) -> Callable[[], None]:
+        """What the entries in ``written`` hold now (after the target's eager run), and a function
+        that puts back any of them a fake tensor has since reached: the export runs the target's
+        Python again over fake tensors, and its writes (an append to a global list,
+        ``cache['last'] = y``, ``self.last = x``) left them in the user's containers."""
+        held = [(part.container, key, part.container[key]) for part in self.parts
+                if isinstance(part.container, dict) for key in part.keys
+                if (part.name, key) in written and key in part.container]
+        saved = [(container, key, value, list(value) if type(value) is list else dict(value)
+                  if type(value) is dict else None) for container, key, value in held]
+
+        def put_back() -> None:
+            for container, key, value, contents in saved:
+                if container.get(key) is not value and _faked(container.get(key)):  # rebound to a fake
+                    container[key] = value
+                if type(contents) is list and _faked(value):
+                    value[:] = contents
+                elif type(contents) is dict and _faked(value):
+                    value.clear()
+                    value.update(contents)
+
+        return put_back
+
+
+def _faked(value: Any) -> bool:
+    """A fake tensor, or a list or dict holding one (at its top level)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    items = value if type(value) is list else value.values() if type(value) is dict else (value,)
+    return any(isinstance(item, FakeTensor) for item in items)
+
+
 def _autocast_check() -> Callable[[], bool]:
     """One C call; without it (a torch that renamed it), the public check per device type."""
     private = getattr(torch._C, "_is_any_autocast_enabled", None)
