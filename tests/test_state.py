@@ -623,3 +623,19 @@ def test_trap_the_capture_leaves_no_fake_tensor_in_what_the_target_writes():
     assert len(_HISTORY) == 1 and type(_HISTORY[0]) is torch.Tensor and type(_LAST["y"]) is torch.Tensor
     torch.testing.assert_close(_LAST["y"], y)
     torch.testing.assert_close(torch.stack(_HISTORY), y.amax(-1)[None])
+
+
+def test_trap_a_hook_that_keeps_activations_gets_no_fake_tensor_and_is_said():
+    """Feature extraction (``layer.register_forward_hook(lambda m, i, o: feats.__setitem__(...))``):
+    the export's trace left a FakeTensor in the hook's dict, and served calls (which run no hook)
+    left it stale, silently."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    feats: dict = {}
+    model[0].register_forward_hook(lambda module, args, out: feats.__setitem__("first", out))
+    f = cr.compile(model)
+    x = torch.randn(3, 4)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"forward hooks on '0' keep what they see"):
+        f(x)
+    assert type(feats["first"]) is torch.Tensor  # the eager call's, not the trace's
+    torch.testing.assert_close(feats["first"], torch.nn.functional.linear(x, model[0].weight, model[0].bias))

@@ -33,7 +33,7 @@ from clika_runtime.function.planning import (
 )
 from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, with_capture, without
 from clika_runtime.state import weights
-from clika_runtime.state.snapshot import Snapshot
+from clika_runtime.state.snapshot import Snapshot, hook_containers
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey, Unkeyable
@@ -188,6 +188,11 @@ class Lifecycle(Fallbacks):
         finally:
             put_back()
         attempt.notes.extend(_unwatched(attempt.capture, written))
+        keeping = sorted({name for name, _ in hook_containers(self.target.owner)}) if self.target.owner is not None else []
+        if keeping:
+            self._say_once(f"forward hooks on {staleness.listed(keeping, repr)} keep what they see in a dict or list: "
+                           "served calls run the graph, not the hooks, so those stay as the last eager call left "
+                           "them (ask the model for the values instead: output_hidden_states=True, a returned tensor)")
         self._said_precision(attempt.capture, attempt.notes)
         with self.lock:
             held = len(self.table.captures)

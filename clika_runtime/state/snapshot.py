@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from clika_runtime.state.compare import MODULE_PRIVATE, Part, differences, reread, without, word
-from clika_runtime.state.walk import parts_read
+from clika_runtime.state.walk import filled, parts_read
 
 _call = getattr(operator, "call", None) or (lambda f, x: f(x))  # operator.call: Python 3.11+
 
@@ -102,13 +102,15 @@ class Snapshot:
         held = [(part.container, key, part.container[key]) for part in self.parts
                 if isinstance(part.container, dict) for key in part.keys
                 if (part.name, key) in written and key in part.container]
+        # A forward hook's own dictionaries and lists (``feats[name] = output``: feature extraction)
+        held += [({}, None, value) for _, value in hook_containers(self.root)] if self.root is not None else []
         saved = [(container, key, value, list(value) if type(value) is list else dict(value)
                   if type(value) is dict else None) for container, key, value in held]
 
         def put_back() -> None:
             for container, key, value, contents in saved:
-                if container.get(key) is not value and _faked(container.get(key)):  # rebound to a fake
-                    container[key] = value
+                if key is not None and container.get(key) is not value and _faked(container.get(key)):
+                    container[key] = value  # rebound to a fake tensor
                 if type(contents) is list and _faked(value):
                     value[:] = contents
                 elif type(contents) is dict and _faked(value):
@@ -116,6 +118,23 @@ class Snapshot:
                     value.update(contents)
 
         return put_back
+
+
+def hook_containers(root: torch.nn.Module) -> list[tuple[str, Any]]:
+    """The dictionaries and lists the forward hooks of ``root``'s modules reach through their
+    closures and the globals their code names (one level), each with its hooked module's name:
+    where a hook keeps what it saw (feature extraction), which served calls do not run."""
+    found: dict[int, tuple[str, Any]] = {}
+    for name, module in root.named_modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            for hook in hooks.values():
+                hook = getattr(hook, "__func__", hook)
+                code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
+                values = [c.cell_contents for c in cells if filled(c)]
+                if code is not None:
+                    values += [hook.__globals__[n] for n in code.co_names if n in getattr(hook, "__globals__", {})]
+                found.update((id(v), (name or "the model", v)) for v in values if type(v) in (dict, list))
+    return list(found.values())
 
 
 def _faked(value: Any) -> bool:
