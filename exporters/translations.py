@@ -437,12 +437,16 @@ def _nan_when_empty(x: Any, dims: Any, out: Any) -> Any:
     a mask selects, none this time): torch's mean and variance of nothing are NaN, onnxruntime's
     0 and -0. Only for axes whose size is not known at export: a static size is never 0 here."""
     rank = len(x.shape)
-    axes = range(rank) if dims is None or (isinstance(dims, Sequence) and not dims) else         [dims] if isinstance(dims, int) else list(dims)
+    if dims is None or (isinstance(dims, Sequence) and not dims):
+        axes = list(range(rank))
+    else:
+        axes = [dims] if isinstance(dims, int) else list(dims)
     axes = [a % rank for a in axes] if rank else []
     if all(isinstance(x.shape[a], int) and x.shape[a] > 0 for a in axes):
         return out
     shape = op.Shape(x)
-    count = op.ReduceProd(op.Gather(shape, op.Constant(value_ints=axes)), keepdims=0) if axes else         op.Constant(value_int=1)
+    count = op.ReduceProd(op.Gather(shape, op.Constant(value_ints=axes)), keepdims=0) if axes else \
+        op.Constant(value_int=1)
     nan = op.CastLike(op.Constant(value_float=float("nan")), out)
     return op.Where(op.Equal(count, op.Constant(value_int=0)), nan, out)
 
