@@ -249,7 +249,8 @@ def recall(target: Target) -> Knowledge | None:
     try:
         learned = {str(n): MappingProxyType({int(a): d for a, d in axes.items()}) for n, axes in data["learned"].items()}
         return Knowledge(
-            learned=MappingProxyType(learned), static_axes=frozenset((str(n), int(a)) for n, a in data["static_axes"]),
+            learned=MappingProxyType(learned),
+            static_axes=frozenset((str(f), str(n), int(a)) for f, n, a in data["static_axes"]),
             untied=frozenset(frozenset((str(n), int(a)) for n, a in pair) for pair in data["untied"]),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -26,14 +26,16 @@ class Knowledge:
     """What captures taught about the function, kept across keys until ``reset()``.
 
     ``learned``: per input name, the axes drift made dynamic (a new key starts with them).
-    ``static_axes``: (input, axis) the exporter could not make dynamic at a regular size.
+    ``static_axes``: (call form, input, axis) the exporter could not make dynamic at a regular
+    size, for calls of that form only (``call_form``: a loss under ``labels=`` is no reason to keep
+    the label-free calls' sequence static).
     ``lifted`` / ``unliftable``: per input structure, leaf positions of Python numbers fed to the
     graph, and of numbers the exporter could not lift.
     ``untied``: pairs of (input, axis) seen at different sizes, never again traced as one size.
     """
 
     learned: Mapping[str, Mapping[int, str | None]] = field(default_factory=lambda: MappingProxyType({}))
-    static_axes: frozenset[tuple[str, int]] = frozenset()
+    static_axes: frozenset[tuple[str, str, int]] = frozenset()
     lifted: Mapping[Any, frozenset[int]] = field(default_factory=lambda: MappingProxyType({}))
     unliftable: Mapping[Any, frozenset[int]] = field(default_factory=lambda: MappingProxyType({}))
     untied: frozenset[frozenset[tuple[str, int]]] = frozenset()

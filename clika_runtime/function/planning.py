@@ -7,6 +7,7 @@ sizes the graph was not traced for, a branch's other side), or give up (the budg
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -116,7 +117,7 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     declared = declared_axes(call, options)
     # Sizes a capture was not traced for first: a pinned axis is the rarer reading of a mismatch.
     beside = next(((c, p, False) for c, p in found if {m.kind for m in p} <= VARIANT_KINDS), None) or \
-        next(((c, p, True) for c, p in found if _pinned(c, p, call, table.knowledge.static_axes)), None)
+        next(((c, p, True) for c, p in found if _pinned(c, p, call, _static_axes(table, call))), None)
     if beside is not None:
         capture, problems, pinned = beside
         point = capture.guard.point(call.feeds)
@@ -131,7 +132,7 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     for p in problems:
         if p.kind == "size":
             drifted[call.names.index(p.input)].setdefault(p.axis, None)
-    dynamic = tuple(_without_static(table, d, n, k) for d, n, k in zip(drifted, call.names, declared))
+    dynamic = tuple(_without_static(table, call, d, n, k) for d, n, k in zip(drifted, call.names, declared))
     reasons = [_drift(p) if p.kind == "size" else str(p) for p in problems]
     untied = table.knowledge.untied | _split(capture, problems, call)
     plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
@@ -152,7 +153,7 @@ def _drift(problem: Any) -> str:
     return f"shape drift: input '{problem.input}' axis {problem.axis}: {problem.expected} -> {problem.got}"
 
 
-def _pinned(capture: "Capture", problems: Sequence[Any], call: Call, static: frozenset[tuple[str, int]]) -> bool:
+def _pinned(capture: "Capture", problems: Sequence[Any], call: Call, static: set[tuple[str, int]]) -> bool:
     """Whether a call lies outside a capture only by sizes on axes the capture asked the exporter
     to keep dynamic and it traced static (torch.export specialises a sequence an RNN or a Python
     loop walks, and a size a branch compares), or that an export could not make dynamic
@@ -232,14 +233,29 @@ def _initial_dynamic(table: CacheTable, call: Call, options: Options) -> tuple[d
             axes = {a: None for a in range(value.dim())}
         elif isinstance(value, _Tensor) and options.dynamic is None:
             axes = {a: n for a, n in learned.get(name, {}).items() if a < value.dim()}
-        dynamic.append(_without_static(table, {**axes, **declared}, name, declared))
+        dynamic.append(_without_static(table, call, {**axes, **declared}, name, declared))
     return tuple(dynamic)
 
 
-def _without_static(table: CacheTable, axes: Mapping[int, Any], name: str, declared: Mapping[int, Any]) -> dict:
-    """Drop axes the exporter could not make dynamic before (declared axes are always asked)."""
-    static = table.knowledge.static_axes
+def _without_static(table: CacheTable, call: Call, axes: Mapping[int, Any], name: str,
+                    declared: Mapping[int, Any]) -> dict:
+    """Drop axes the exporter could not make dynamic before, for calls of this form (declared
+    axes are always asked)."""
+    static = _static_axes(table, call)
     return {a: n for a, n in axes.items() if a in declared or (name, a) not in static}
+
+
+def _static_axes(table: CacheTable, call: Call) -> set[tuple[str, int]]:
+    """The (input, axis) pairs the exporter could not make dynamic for calls of ``call``'s form."""
+    form = call_form(call)
+    return {(name, axis) for f, name, axis in table.knowledge.static_axes if f == form}
+
+
+def call_form(call: Call) -> str:
+    """A call's structure, static values and mode, without its sizes, as a digest that reads the
+    same in another process: what keeps an axis static is the code a call of that form runs."""
+    key = call.key
+    return hashlib.sha256(f"{key.structure}|{key.statics!r}|{key.training}".encode()).hexdigest()[:16]
 
 
 def variant_static(plan: CapturePlan) -> CapturePlan | None:
@@ -280,7 +296,8 @@ def learned(
     if unliftable:
         never[structure] = never.get(structure, frozenset()) | unliftable
     return Knowledge(
-        learned=MappingProxyType(learned_axes), static_axes=knowledge.static_axes | frozenset(static_axes),
+        learned=MappingProxyType(learned_axes),
+        static_axes=knowledge.static_axes | {(call_form(plan.call), name, axis) for name, axis in static_axes},
         lifted=MappingProxyType(lifted), unliftable=MappingProxyType(never), untied=knowledge.untied | plan.untied,
     )
 
