@@ -385,7 +385,7 @@ def _get_status(port: int, path: str) -> int | None:
         response = connection.getresponse()
         response.read()
         return response.status
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not listening yet, or not HTTP yet (a port still Ray's)
         return None
     finally:
         connection.close()
