@@ -184,7 +184,8 @@ def split(
         if isinstance(leaf, _Tensor):
             if type(leaf) is not _Tensor and type(leaf) not in _PLAIN_TENSORS:
                 raise Unkeyable(f"a {type(leaf).__name__} (a tensor subclass: its operations are its own, "
-                                "and eager returns it) cannot feed a graph")
+                                "and eager returns it) cannot feed a graph; pass x.as_subclass(torch.Tensor) "
+                                "to have such calls served")
             feeds.append(leaf)
             shape = leaf.shape
             metas.append((leaf.dtype, len(shape), leaf.device, shape) if with_shapes else (leaf.dtype, len(shape), leaf.device))
