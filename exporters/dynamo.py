@@ -403,6 +403,8 @@ def _written_in_place(program: Any) -> set[str]:
     """Parameters the trace writes in place, each as ``name (op)``: ``nn.Embedding(max_norm=...)``
     renormalises the rows it looks up, on every call (``embedding_renorm``)."""
     mutated = getattr(program.graph_signature, "parameters_to_mutate", None) or {}
+    if not mutated:
+        return set()
     ops = {node.name: str(getattr(node.target, "__name__", node.target)).split(".")[0] for node in program.graph.nodes}
     return {f"{name} ({ops.get(output, output)})" for output, name in mutated.items()}
 

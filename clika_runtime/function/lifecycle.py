@@ -177,7 +177,8 @@ class Lifecycle(Fallbacks):
             # The state the trace starts from: a change another thread makes while it runs is a
             # change the next call sees (taken after the trace, it would be baked unseen).
             snapshot = before.refreshed(written)
-            put_back = before.keeper(written)  # what the trace's own writes would overwrite
+            hooked = hook_containers(self.target.owner) if self.target.owner is not None else []
+            put_back = before.keeper(written, [held for _, held in hooked])  # what the trace's writes overwrite
         plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
         try:
             attempt = degrade.build(self.target, plan, out, ahead)
@@ -188,7 +189,7 @@ class Lifecycle(Fallbacks):
         finally:
             put_back()
         attempt.notes.extend(_unwatched(attempt.capture, written))
-        keeping = sorted({name for name, _ in hook_containers(self.target.owner)}) if self.target.owner is not None else []
+        keeping = sorted({name for name, _ in hooked})
         if keeping:
             self._say_once(f"forward hooks on {staleness.listed(keeping, repr)} keep what they see in a dict or list: "
                            "served calls run the graph, not the hooks, so those stay as the last eager call left "

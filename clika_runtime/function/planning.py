@@ -20,7 +20,6 @@ from clika_runtime.base.errors import SignatureError, SignatureValueError
 from clika_runtime.base.specs import TensorSpec
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge, Options, declared_axes
 from clika_runtime.function.table import CacheTable
-from clika_runtime.state.snapshot import plain_call
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import Lifted, closest, explain
@@ -63,8 +62,6 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     check_signature(call, options)
     if call.grad and torch.is_grad_enabled():
         return Eager()  # the caller is differentiating: stay eager, capture nothing
-    if not plain_call():
-        return Eager()  # autocast, a mode, a trace or a transform: eager computes what they ask (snapshot._unusual)
     variants = table.entries.get(call.key, ())
     for capture in variants:
         if capture.guard.check(call.feeds) is None:
@@ -114,10 +111,11 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     pinned on axes it was asked to keep dynamic), else (a static size drifted) re-capture with the
     drifted axes dynamic."""
     found = [(c, c.guard.mismatches(call.feeds)) for c in reversed(variants)]  # newest first
+    static = _static_axes(table, call)
     declared = declared_axes(call, options)
     # Sizes a capture was not traced for first: a pinned axis is the rarer reading of a mismatch.
     beside = next(((c, p, False) for c, p in found if {m.kind for m in p} <= VARIANT_KINDS), None) or \
-        next(((c, p, True) for c, p in found if _pinned(c, p, call, _static_axes(table, call))), None)
+        next(((c, p, True) for c, p in found if _pinned(c, p, call, static)), None)
     if beside is not None:
         capture, problems, pinned = beside
         point = capture.guard.point(call.feeds)
@@ -132,7 +130,7 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     for p in problems:
         if p.kind == "size":
             drifted[call.names.index(p.input)].setdefault(p.axis, None)
-    dynamic = tuple(_without_static(table, call, d, n, k) for d, n, k in zip(drifted, call.names, declared))
+    dynamic = tuple(_without_static(static, d, n, k) for d, n, k in zip(drifted, call.names, declared))
     reasons = [_drift(p) if p.kind == "size" else str(p) for p in problems]
     untied = table.knowledge.untied | _split(capture, problems, call)
     plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
@@ -227,21 +225,21 @@ def _initial_dynamic(table: CacheTable, call: Call, options: Options) -> tuple[d
     axis; with ``dynamic=None`` those drift taught about the same input name."""
     dynamic = []
     learned = table.knowledge.learned
+    static = _static_axes(table, call)
     for name, value, declared in zip(call.names, call.feeds, declared_axes(call, options)):
         axes: dict[int, str | None] = {}
         if isinstance(value, _Tensor) and options.dynamic is True:
             axes = {a: None for a in range(value.dim())}
         elif isinstance(value, _Tensor) and options.dynamic is None:
             axes = {a: n for a, n in learned.get(name, {}).items() if a < value.dim()}
-        dynamic.append(_without_static(table, call, {**axes, **declared}, name, declared))
+        dynamic.append(_without_static(static, {**axes, **declared}, name, declared))
     return tuple(dynamic)
 
 
-def _without_static(table: CacheTable, call: Call, axes: Mapping[int, Any], name: str,
+def _without_static(static: set[tuple[str, int]], axes: Mapping[int, Any], name: str,
                     declared: Mapping[int, Any]) -> dict:
-    """Drop axes the exporter could not make dynamic before, for calls of this form (declared
-    axes are always asked)."""
-    static = _static_axes(table, call)
+    """Drop axes the exporter could not make dynamic before for calls of this form (``static``:
+    ``_static_axes``; declared axes are always asked)."""
     return {a: n for a, n in axes.items() if a in declared or (name, a) not in static}
 
 

@@ -20,7 +20,7 @@ else moved). Autocast, modes, traces and transforms are not state but the call's
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -94,28 +94,29 @@ class Snapshot:
                          and key not in MODULE_PRIVATE)
 
 
-    def keeper(self, written: frozenset[tuple[str, str]]) -> Callable[[], None]:
-        """What the entries in ``written`` hold now (after the target's eager run), and a function
-        that puts back any of them a fake tensor has since reached: the export runs the target's
-        Python again over fake tensors, and its writes (an append to a global list,
-        ``cache['last'] = y``, ``self.last = x``) left them in the user's containers."""
-        held = [(part.container, key, part.container[key]) for part in self.parts
-                if isinstance(part.container, dict) for key in part.keys
-                if (part.name, key) in written and key in part.container]
-        # A forward hook's own dictionaries and lists (``feats[name] = output``: feature extraction)
-        held += [({}, None, value) for _, value in hook_containers(self.root)] if self.root is not None else []
-        saved = [(container, key, value, list(value) if type(value) is list else dict(value)
-                  if type(value) is dict else None) for container, key, value in held]
+    def keeper(self, written: frozenset[tuple[str, str]], hooked: Sequence[Any] = ()) -> Callable[[], None]:
+        """What the entries in ``written`` and the containers in ``hooked`` (``hook_containers``)
+        hold now (after the target's eager run), and a function that puts back any of them a fake
+        tensor has since reached: the export runs the target's Python again over fake tensors, and
+        its writes (an append to a global list, ``cache['last'] = y``, ``self.last = x``, a hook's
+        ``feats[name] = out``) left them in the user's containers."""
+        entries = [(part.container, key, part.container[key]) for part in self.parts
+                   if isinstance(part.container, dict) for key in part.keys
+                   if (part.name, key) in written and key in part.container]
+        holders = [value for _, _, value in entries] + list(hooked)
+        contents = [(h, list(h) if type(h) is list else dict(h)) for h in holders if type(h) in (list, dict)]
 
         def put_back() -> None:
-            for container, key, value, contents in saved:
-                if key is not None and container.get(key) is not value and _faked(container.get(key)):
-                    container[key] = value  # rebound to a fake tensor
-                if type(contents) is list and _faked(value):
-                    value[:] = contents
-                elif type(contents) is dict and _faked(value):
-                    value.clear()
-                    value.update(contents)
+            for container, key, value in entries:
+                if container.get(key) is not value and _faked(container.get(key)):  # rebound to a fake
+                    container[key] = value
+            for holder, saved in contents:
+                if _faked(holder):
+                    if type(holder) is list:
+                        holder[:] = saved
+                    else:
+                        holder.clear()
+                        holder.update(saved)
 
         return put_back
 
