@@ -639,3 +639,105 @@ def test_trap_a_hook_that_keeps_activations_gets_no_fake_tensor_and_is_said():
         f(x)
     assert type(feats["first"]) is torch.Tensor  # the eager call's, not the trace's
     torch.testing.assert_close(feats["first"], torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+
+
+class _Counted(torch.nn.Module):
+    """A head whose forward reads ``scale`` (through a property) and ``mode`` (and ``alpha`` or
+    ``beta`` by it), and ``bias`` through ``getattr`` with a default; ``requests`` and
+    ``last_latency`` are the caller's bookkeeping, never read by a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self._scale, self.mode, self.alpha, self.beta = 2.0, "a", 1.0, 1.0
+        self.requests, self.last_latency = 0, 0.0
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    def forward(self, x):
+        y = self.fc(x) * self.scale * (self.alpha if self.mode == "a" else self.beta)
+        return y + getattr(self, "bias", 0.0)
+
+
+def _counted() -> tuple[_Counted, cr.CompiledFunction, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _Counted().eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        f(x)
+    return model, f, x
+
+
+def test_trap_bookkeeping_the_call_never_reads_is_not_a_change_of_state():
+    """A request counter and the last latency kept on the module (or on the object a compiled
+    method is bound to) between calls: each change re-captured (seconds of export), nothing was
+    ever served, and after eight the function served eagerly for good."""
+    model, f, x = _counted()
+    with torch.no_grad():
+        for i in range(10):
+            model.requests += 1
+            model.last_latency = 0.1 * i
+            model.beta = float(i)  # read only under mode "b": not by the captured call
+            torch.testing.assert_close(f(x), model(x))
+    assert f.recapture_count == 0 and sum(c.hits for c in f.captures) == 10
+
+
+def test_trap_what_the_call_reads_stays_watched_when_bookkeeping_is_not():
+    model, f, x = _counted()
+    changes = [lambda: setattr(model, "_scale", 3.0),  # behind a property
+               lambda: setattr(model, "alpha", 0.5),
+               lambda: setattr(model, "mode", "b"),  # now beta is read
+               lambda: setattr(model, "beta", 4.0),
+               lambda: setattr(model, "bias", 1.0)]  # asked for (with a default) before it existed
+    with torch.no_grad():
+        for count, change in enumerate(changes, start=1):
+            change()
+            torch.testing.assert_close(f(x), model(x))
+            assert f.recapture_count == count
+            torch.testing.assert_close(f(x), model(x))  # and served again
+    assert f.recapture_count == len(changes)
+
+
+def test_trap_bookkeeping_on_the_object_a_compiled_method_is_bound_to_is_not_a_change():
+    class Service:
+        def __init__(self) -> None:
+            self.factor, self.requests = 2.0, 0
+
+        @cr.compile
+        def score(self, x):
+            return x * self.factor
+
+        def handle(self, x):
+            self.requests += 1
+            return self.score(x)
+
+    service, x = Service(), torch.ones(3)
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(service.handle(x), x * 2)
+        service.factor = 3.0
+        torch.testing.assert_close(service.handle(x), x * 3)
+    assert service.score.recapture_count == 1 and "factor" in service.score.recapture_reasons[0]
+
+
+class _ByDict(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = 2.0
+
+    def forward(self, x):
+        return x * vars(self)["gain"]  # not through attribute access: the object is watched whole
+
+
+def test_trap_a_forward_reading_its_own_dict_keeps_every_attribute_watched():
+    model = _ByDict().eval()
+    f = cr.compile(model)
+    x = torch.ones(3)
+    with torch.no_grad():
+        f(x)
+        model.gain = 5.0
+        torch.testing.assert_close(f(x), x * 5)
+    assert f.recapture_count == 1

@@ -32,7 +32,7 @@ from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, decide, learned, planned,
 )
 from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, with_capture, without
-from clika_runtime.state import weights
+from clika_runtime.state import reads, weights
 from clika_runtime.state.snapshot import Snapshot, hook_containers
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
@@ -159,35 +159,33 @@ class Lifecycle(Fallbacks):
 
     # ------------------------------------------------------------------------------ capturing
 
-    def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, progress: "Progress",
-                 eager: Any = None) -> Any:
-        """Capture ``plan`` from its call (``eager``: its result when already in hand, as a 1-tuple)."""
+    def _capture(self, plan: CapturePlan, args: tuple, kwargs: dict, generation: int, progress: "Progress") -> Any:
+        """Run ``plan``'s call eagerly and capture it; the eager result is the call's."""
         with TARGETS.shared():
             before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
         ahead = restore.ahead(self.target, plan)  # the disk cache looked up beside the eager call
-        if eager is None:
+        with reads.noted(before.holders) as notes:  # what the eager run and the trace read of its objects
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
             progress.ran, progress.out = True, out
             if mutated:
                 return self._refuse(plan.call, mutation(mutated), generation, lambda: out, plan.point)
-        else:
-            (out,) = eager
-        with TARGETS.shared():
-            written = before.moved()  # by this call's eager run: outputs of the target, not inputs
-            # The state the trace starts from: a change another thread makes while it runs is a
-            # change the next call sees (taken after the trace, it would be baked unseen).
-            snapshot = before.refreshed(written)
-            hooked = hook_containers(self.target.owner) if self.target.owner is not None else []
-            put_back = before.keeper(written, [held for _, held in hooked])  # what the trace's writes overwrite
-        plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
-        try:
-            attempt = degrade.build(self.target, plan, out, ahead)
-        except CaptureError as error:
-            why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
-                if written and isinstance(error, VerificationError) else ""
-            return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
-        finally:
-            put_back()
+            with TARGETS.shared():
+                written = before.moved()  # by this call's eager run: outputs of the target, not inputs
+                # The state the trace starts from: a change another thread makes while it runs is a
+                # change the next call sees (taken after the trace, it would be baked unseen).
+                snapshot = before.refreshed(written)
+                hooked = hook_containers(self.target.owner) if self.target.owner is not None else []
+                put_back = before.keeper(written, [held for _, held in hooked])  # what the trace's writes overwrite
+            plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
+            try:
+                attempt = degrade.build(self.target, plan, out, ahead)
+            except CaptureError as error:
+                why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
+                    if written and isinstance(error, VerificationError) else ""
+                return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
+            finally:
+                put_back()
+        seen = reads.read(before.holders, notes)
         attempt.notes.extend(_unwatched(attempt.capture, written))
         keeping = sorted({name for name, _ in hooked})
         if keeping:
@@ -197,7 +195,7 @@ class Lifecycle(Fallbacks):
         self._said_precision(attempt.capture, attempt.notes)
         with self.lock:
             held = len(self.table.captures)
-            taught = self._install(attempt, generation, snapshot, written)
+            taught = self._install(attempt, generation, snapshot, written, seen)
             dropped = held + 1 > len(self.table.captures)
         if taught is not None:  # outside the lock: disk I/O
             restore.remember(self.target, taught)
@@ -206,9 +204,10 @@ class Lifecycle(Fallbacks):
         return out
 
     def _install(self, attempt: degrade.Attempt, generation: int, snapshot: Snapshot,
-                 written: staleness.Written) -> Knowledge | None:
-        """Swap in the table with the new capture (the caller holds the lock); return what the
-        function learned when the capture taught it something new."""
+                 written: staleness.Written, seen: reads.Reads) -> Knowledge | None:
+        """Swap in the table with the new capture, its ``snapshot`` watching what this capture
+        and the others read (``seen``; the caller holds the lock); return what the function
+        learned when the capture taught it something new."""
         table, plan, capture = self.table, attempt.plan, attempt.capture
         if table.generation != generation or table.state is State.Fallback:
             return None  # reset() or a failure elsewhere since this capture began: it serves nothing
@@ -216,7 +215,7 @@ class Lifecycle(Fallbacks):
             if any(b.changed() for b in capture.baked):  # weights re-assigned while it was being made
                 return None  # (the watch counts registrations from now on): the next call captures again
             moved = table.snapshot.moved() - table.written - written if table.captures else ()
-        table = replace(table, written=table.written | written)
+        table = replace(table, written=table.written | written, reads=table.reads | seen)
         if moved:  # the state moved since the other captures were made (not by the target itself)
             table = without(table, table.captures, pending=None, spends=False)
         knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
@@ -227,7 +226,8 @@ class Lifecycle(Fallbacks):
         if plan.reason is not None:
             logger.info("re-capture of %s: %s", self.target.name, plan.reason)
         self.table = with_capture(table, capture, reason=plan.reason, spends=plan.spends, replaces=superseded,
-                                  knowledge=knowledge, notes=attempt.notes, limit=config.cache_size, snapshot=snapshot)
+                                  knowledge=knowledge, notes=attempt.notes, limit=config.cache_size,
+                                  snapshot=snapshot.narrowed(table.reads))
         return knowledge if knowledge.learned != table.knowledge.learned else None
 
     # ------------------------------------------------------------------------------- giving up

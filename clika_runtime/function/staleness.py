@@ -34,7 +34,8 @@ def checked(table: CacheTable, target: Target) -> CacheTable:
 
 
 def snapshot(target: Target, written: Written) -> Snapshot:
-    """The Python state the target reads now, but ``written`` (the caller holds ``TARGETS`` shared)."""
+    """The Python state the target may read now, but ``written``, before a capture narrows it to
+    what its run read (the caller holds ``TARGETS`` shared)."""
     return Snapshot.of(target.fn, target.owner, written)
 
 
@@ -61,7 +62,7 @@ def _state_checked(table: CacheTable, target: Target) -> CacheTable:
         try:
             return rewatched(table, table.snapshot.refreshed())
         except Exception:  # an entry went away since: walk the target again
-            return rewatched(table, snapshot(target, table.written))
+            return rewatched(table, snapshot(target, table.written).narrowed(table.reads))
     return without(table, table.captures, pending=f"state changed: {listed(changed, str)}")
 
 

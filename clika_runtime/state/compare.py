@@ -13,10 +13,14 @@ import operator
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+import torch
+
 COPIED = 64  # containers up to this many items are compared by value, larger ones by identity
 # The private entries of a module's __dict__ that change what a call computes (a hook's flags,
 # "with kwargs" and "always called", are only ever set beside its entry in these).
 MODULE_PRIVATE = ("_modules", "_forward_hooks", "_forward_pre_hooks")
+# A bare module's own private entries (parameters, buffers, hooks' flags): torch's bookkeeping.
+MODULE_INTERNALS = frozenset(k for k in vars(torch.nn.Module()) if k.startswith("_"))
 _contents = operator.attrgetter("cell_contents")
 
 
@@ -34,6 +38,8 @@ class Part:
     variables: bool = False  # entries are a function's variables ("global 'SCALE'"), not attributes
     per_call: bool = True  # False: compared only when a counter says it may have moved (submodules, hooks)
     trigger: bool = False  # only says that the others must be compared (a count of hooks): never a change
+    hidden: frozenset[str] = frozenset()  # a module's private keys: watched only where a read of them was seen
+    only: frozenset[str] | None = None  # the names captures read (``reads.py``): no other key added is a change
 
 
 def dict_part(name: str, state: dict, keys: list[str], *, sized: bool, whole: bool = False) -> Part:
@@ -98,7 +104,8 @@ def differences(part: Part) -> list[str]:
         return list(part.keys)
     found = [key for key, old, new in zip(part.keys, part.values, now) if not _same(old, new)]
     if part.size is not None and len(part.container) != part.size:
-        found += [key for key in part.container if key not in part.known and not key.startswith("_")]
+        found += [key for key in part.container if key not in part.known
+                  and (not key.startswith("_") if part.only is None else key in part.only)]
     return found
 
 
@@ -126,7 +133,8 @@ def without(part: Part, skip: frozenset[tuple[str, str]]) -> Part | None:
         return None
     fewer = dict_part(part.name, part.container, left, sized=part.size is not None,
                        whole=any(k in MODULE_PRIVATE for k in left))
-    return replace(fewer, variables=part.variables, per_call=part.per_call)
+    return replace(fewer, variables=part.variables, per_call=part.per_call, hidden=part.hidden & set(left),
+                   only=part.only)
 
 
 def word(part: Part, key: str) -> str:

@@ -20,11 +20,12 @@ else moved). Autocast, modes, traces and transforms are not state but the call's
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from clika_runtime.state.compare import MODULE_PRIVATE, Part, differences, reread, without, word
+from clika_runtime.state.reads import Reads, narrowed
 from clika_runtime.state.walk import filled, parts_read
 
 _call = getattr(operator, "call", None) or (lambda f, x: f(x))  # operator.call: Python 3.11+
@@ -33,9 +34,11 @@ _call = getattr(operator, "call", None) or (lambda f, x: f(x))  # operator.call:
 class Snapshot:
     """The state of a target at capture. Immutable; ``fresh()`` is the hot path's check."""
 
-    def __init__(self, parts: list[Part], root: torch.nn.Module | None = None) -> None:
+    def __init__(self, parts: list[Part], root: torch.nn.Module | None = None,
+                 holders: Mapping[int, Any] | None = None) -> None:
         self.parts = tuple(parts)
         self.root = root
+        self.holders = holders or {}  # the objects whose attributes it watches, by their dict's id (walk.py)
         # Captures are keyed by the root's training flag: ``model.train()`` / ``.eval()`` switching
         # every module at once is not a change of state, one submodule switched alone is.
         self.uniform = root is not None and _uniform(root)
@@ -51,9 +54,15 @@ class Snapshot:
     def of(cls, fn: Any, owner: torch.nn.Module | None, skip: frozenset[tuple[str, str]] = frozenset()) -> "Snapshot":
         """The state ``fn`` (whose weights ``owner`` holds, if a module) reads now, but the
         entries in ``skip`` (``moved()`` pairs: what the target writes itself)."""
-        parts, _ = parts_read(fn, owner)
+        parts, walk = parts_read(fn, owner)
         kept = [without(part, skip) for part in parts] if skip else parts
-        return cls([part for part in kept if part is not None], owner)
+        return cls([part for part in kept if part is not None], owner, walk.holders)
+
+    def narrowed(self, reads: Reads) -> "Snapshot":
+        """The same watch over what the captures read (``reads.py``): an object's attributes no
+        capture read are left out (a request counter updated between calls), private ones read
+        are kept; the objects whose reads were not noted keep their public attributes."""
+        return Snapshot([narrowed(part, reads) for part in self.parts], self.root, self.holders)
 
     def changed(self) -> list[str]:
         """What differs from the snapshot, in words (empty: nothing a call reads)."""
@@ -68,7 +77,7 @@ class Snapshot:
         rest is as it was; ``None`` when something else may have moved (compare everything)."""
         if any(differences(p) for p in self.parts if not p.per_call and not p.trigger):
             return None
-        again = Snapshot([reread(p) if p.trigger else p for p in self.parts], self.root)
+        again = Snapshot([reread(p) if p.trigger else p for p in self.parts], self.root, self.holders)
         return again if again.fresh() else None
 
     def refreshed(self, skip: frozenset[tuple[str, str]] = frozenset()) -> "Snapshot":
@@ -78,7 +87,7 @@ class Snapshot:
         target again."""
         parts = [reread(part) for part in self.parts]
         kept = [without(part, skip) for part in parts] if skip else parts
-        return Snapshot([part for part in kept if part is not None], self.root)
+        return Snapshot([part for part in kept if part is not None], self.root, self.holders)
 
     def moved(self) -> frozenset[tuple[str, str]]:
         """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from clika_runtime.base.libraries import body_values, ours
-from clika_runtime.state.compare import COPIED, MODULE_PRIVATE, Part, cells_part, dict_part, kept
+from clika_runtime.state.compare import COPIED, MODULE_INTERNALS, MODULE_PRIVATE, Part, cells_part, dict_part, kept
 
 _DEPTH = 2  # levels of attribute-carrying objects watched below a module
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
@@ -41,9 +41,11 @@ _INERT = (logging.Logger, logging.LoggerAdapter, threading.Event, threading.Cond
 _CONTAINER_MODULES = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
-def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], list[tuple[str, torch.nn.Module]]]:
+def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], "_Walk"]:
     """The parts of the state ``fn`` (whose weights ``owner`` holds, if a module) reads now, and
-    the modules it reaches outside its owner's registered tree (see ``modules_reached``)."""
+    the walk that found them: the modules it reaches outside its owner's registered tree (see
+    ``modules_reached``) and the objects whose attributes it watches (``holders``), private
+    attributes of modules included (as ``hidden``: ``reads.narrowed`` keeps those a call read)."""
     walk = _Walk()
     parts: list[Part] = []
     if owner is not None:
@@ -53,13 +55,13 @@ def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], list
     else:
         for layer in _unwrapped(fn):
             parts += _callable(layer, walk)
-    return parts + _global_hooks() + [_default_dtype()], walk.reached
+    return parts + _global_hooks() + [_default_dtype()], walk
 
 
 def modules_reached(fn: Any, owner: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:
     """The modules a target reads outside its owner's registered tree, by where it finds them
     (``model`` in a closure, ``the callable object.model``, ``layers.0`` in a plain list)."""
-    return parts_read(fn, owner)[1]
+    return parts_read(fn, owner)[1].reached
 
 
 @dataclass
@@ -69,6 +71,7 @@ class _Walk:
 
     seen: set[int] = field(default_factory=set)
     reached: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    holders: dict[int, Any] = field(default_factory=dict)  # the objects whose attributes are watched, by their dict's id
 
 
 def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]:
@@ -106,9 +109,11 @@ def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
             continue
         walk.seen.add(id(module))
         state = vars(module)
+        walk.holders[id(state)] = module
         keys = [k for k in state if not k.startswith("_")]
+        hidden = [k for k in state if k.startswith("_") and not k.startswith("__") and k not in MODULE_INTERNALS]
         where = name or "the module"
-        parts.append(dict_part(where, state, keys, sized=True))
+        parts.append(replace(dict_part(where, state, keys + hidden, sized=True), hidden=frozenset(hidden)))
         parts.append(replace(dict_part(where, state, [k for k in MODULE_PRIVATE if k in state], sized=False,
                                         whole=True), per_call=False))
         parts += [_sized(where, state[k]) for k in MODULE_PRIVATE[1:] if state.get(k)]  # a hook removed
@@ -144,6 +149,7 @@ def _objects(value: Any, name: str, walk: _Walk, depth: int) -> list[Part]:
     keys = [k for k in state if not k.startswith("__")]
     if len(keys) > 4 * COPIED:  # not a config: a big object held by reference, watched by identity
         return []
+    walk.holders[id(state)] = value
     parts = [dict_part(name, state, keys, sized=True)]
     for key in keys:
         parts += _held(state[key], f"{name}.{key}", walk, depth - 1)
