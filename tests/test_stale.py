@@ -153,6 +153,69 @@ def test_an_unrelated_registration_keeps_the_graph():
     assert f.recapture_count == 0
 
 
+class _Slots(torch.nn.Module):
+    """A linear without a bias, tied to an embedding, an optional buffer, a buffer read if present."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(6, 4)
+        self.fc = torch.nn.Linear(4, 4, bias=False)
+        self.head = torch.nn.Linear(4, 6, bias=False)
+        self.head.weight = self.emb.weight  # tie_weights()
+        self.register_buffer("extra", None)
+
+    def forward(self, ids):
+        y = self.fc(self.emb(ids))
+        y = y + self.extra if self.extra is not None else y
+        y = y * self.late if hasattr(self, "late") else y
+        return self.head(y)
+
+
+def _direct_write(m: _Slots) -> None:  # accelerate's set_module_tensor_to_device, torch's member accessor
+    m.fc._parameters["weight"] = torch.nn.Parameter(torch.randn(4, 4))
+
+
+_SLOT_CHANGES = {
+    "a bias where there was none": lambda m: setattr(m.fc, "bias", torch.nn.Parameter(torch.full((4,), 3.0))),
+    "a None buffer filled": lambda m: setattr(m, "extra", torch.full((4,), 3.0)),
+    "a buffer registered later": lambda m: m.register_buffer("late", torch.full((4,), 2.0)),
+    "tied weights untied": lambda m: setattr(m.head, "weight", torch.nn.Parameter(torch.randn(6, 4))),
+    "a parameter written into _parameters": _direct_write,
+}
+
+
+@pytest.mark.parametrize("change", _SLOT_CHANGES)
+def test_trap_a_parameter_or_buffer_slot_changed_after_capture_is_seen(change):
+    """Each served the graph of before: a slot that was ``None`` (or absent) given a tensor, a
+    tied weight given its own, a parameter written straight into ``_parameters`` (no torch hook
+    runs for that)."""
+    torch.manual_seed(0)
+    model = _Slots().eval()
+    f = cr.compile(model)
+    ids = torch.randint(0, 6, (2, 5))
+    with torch.no_grad():
+        f(ids), f(ids)
+        _SLOT_CHANGES[change](model)
+        for _ in range(2):
+            torch.testing.assert_close(f(ids), model(ids))
+    assert f.recapture_count == 1, f.recapture_reasons
+
+
+def test_trap_functional_call_through_a_compiled_forward_uses_the_parameters_passed():
+    torch.manual_seed(0)
+    model = Net().eval()
+    model.forward = cr.compile(model.forward)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x), model(x)
+        params = {k: torch.randn_like(v) for k, v in model.named_parameters()}
+        got = torch.func.functional_call(model, params, (x,))
+        torch.testing.assert_close(got, x @ params["fc.weight"].T + params["fc.bias"] + model.shift)
+        torch.testing.assert_close(model(x), model.fc(x) + model.shift)  # and its own again after
+    captures = model.forward.captures  # the lent parameters' call ran eagerly; the graph stayed
+    assert model.forward.recapture_count == 0 and len(captures) == 1 and captures[0].hits == 2
+
+
 SCALE = torch.tensor([2.0, 3.0])
 
 

@@ -127,6 +127,10 @@ class Lifecycle(Fallbacks):
             return Eager(), None, table.generation
         kvcache.register()  # KV-cache classes flatten through their adapter (before torch's registry is mirrored)
         trees.sync_registry((args, kwargs))  # new node types, and this call's containers of tensors
+        if (not table.captures or not table.fresh()) and (lent := weights.lent(self.target.owner)):  # before any capture is dropped
+            self._say_once(f"the parameters {staleness.listed(lent, repr)} hold plain tensors (torch.func."
+                           "functional_call swaps them in for one call): such calls run eagerly, the graphs stay")
+            return Eager(), None, table.generation
         table = self.table = staleness.checked(table, self.target)
         if table.refused and not table.refused_still():  # m.float() after m.double() failed: try again
             table = self.table = retrying_refused(table)

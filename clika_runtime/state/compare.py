@@ -17,8 +17,12 @@ import torch
 
 COPIED = 64  # containers up to this many items are compared by value, larger ones by identity
 # The private entries of a module's __dict__ that change what a call computes (a hook's flags,
-# "with kwargs" and "always called", are only ever set beside its entry in these).
-MODULE_PRIVATE = ("_modules", "_forward_hooks", "_forward_pre_hooks")
+# "with kwargs" and "always called", are only ever set beside its entry in these), compared
+# whole when torch's registration counter or hook count moves: a tensor where ``None`` was, a
+# buffer registered later, a tied weight given its own.
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+MODULE_PRIVATE = ("_modules", *MODULE_HOOKS, "_parameters", "_buffers")
+_PRIVATE_WORDS = {"_modules": "submodules", "_parameters": "parameters", "_buffers": "buffers"}
 # A bare module's own private entries (parameters, buffers, hooks' flags): torch's bookkeeping.
 MODULE_INTERNALS = frozenset(k for k in vars(torch.nn.Module()) if k.startswith("_"))
 _contents = operator.attrgetter("cell_contents")
@@ -141,7 +145,7 @@ def word(part: Part, key: str) -> str:
     if part.variables:
         return f"{part.name} '{key.strip('_')}'"
     if key in MODULE_PRIVATE:
-        what = "submodules" if key == "_modules" else "forward hooks"
+        what = _PRIVATE_WORDS.get(key, "forward hooks")
         return f"{what} of {part.name}" if part.name == "the module" else f"{what} of '{part.name}'"
     return f"'{key}'" if part.name == "the module" else f"'{part.name}.{key}'"
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from clika_runtime.base.libraries import body_values, ours
-from clika_runtime.state.compare import COPIED, MODULE_INTERNALS, MODULE_PRIVATE, Part, cells_part, dict_part, kept
+from clika_runtime.state.compare import COPIED, MODULE_HOOKS, MODULE_INTERNALS, MODULE_PRIVATE, Part, cells_part, dict_part, kept
 
 _DEPTH = 2  # levels of attribute-carrying objects watched below a module
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
@@ -116,7 +116,7 @@ def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
         parts.append(replace(dict_part(where, state, keys + hidden, sized=True), hidden=frozenset(hidden)))
         parts.append(replace(dict_part(where, state, [k for k in MODULE_PRIVATE if k in state], sized=False,
                                         whole=True), per_call=False))
-        parts += [_sized(where, state[k]) for k in MODULE_PRIVATE[1:] if state.get(k)]  # a hook removed
+        parts += [_sized(where, state[k]) for k in MODULE_HOOKS if state.get(k)]  # a hook removed
         if isinstance(module, _CONTAINER_MODULES):  # their forward iterates their children: a deletion shows
             parts.append(dict_part(where, state, ["_modules"], sized=False, whole=True))
         for key in keys:

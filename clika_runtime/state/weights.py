@@ -32,6 +32,7 @@ from clika_runtime.state.walk import global_names, modules_reached
 logger = logging.getLogger("clika_runtime")
 _version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr
+_entry = operator.getitem
 # Bumped by torch whenever any module registers a parameter, buffer or submodule (assignment included).
 _REGISTRATIONS = [0]
 _hooked = False
@@ -87,12 +88,15 @@ class Baked:
     lookup: Callable[[], Any] | None  # where the target finds it now (None: nowhere to look again)
     rebinds: bool = False  # found in a closure cell or global: checked on every call, not on registrations
     reached: bool = False  # a module the target reaches outside its owner holds it (a model a lambda calls)
+    place: tuple[dict, str] | None = None  # the module's ``_parameters`` / ``_buffers`` entry holding it
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, lookup: Callable[[], Any] | None, rebinds: bool = False,
-           reached: bool = False) -> "Baked":
-        """Record ``tensor`` as it is now."""
-        return cls(name, tensor, tensor.detach(), _version_of(tensor), tensor.data_ptr(), lookup, rebinds, reached)
+           reached: bool = False, root: torch.nn.Module | None = None) -> "Baked":
+        """Record ``tensor`` as it is now (``root``: the module ``name`` is a path in)."""
+        place = _place(root, name, tensor) if root is not None else None
+        return cls(name, tensor, tensor.detach(), _version_of(tensor), tensor.data_ptr(), lookup, rebinds, reached,
+                   place)
 
     @property
     def kind(self) -> str:
@@ -107,6 +111,21 @@ class Baked:
         if self.lookup is not None and _lookup(self.lookup) is not self.tensor:
             return True
         return self.tensor.data_ptr() != self.pointer or _version_of(self.tensor) != self.version
+
+
+def _place(root: torch.nn.Module, name: str, tensor: torch.Tensor) -> tuple[dict, str] | None:
+    """The ``_parameters`` or ``_buffers`` entry of ``root``'s submodule at ``name`` that holds
+    ``tensor``: a write straight into it (accelerate's ``set_module_tensor_to_device``,
+    ``torch.func.functional_call``) runs no registration hook, so the served call looks there."""
+    path, _, attr = name.rpartition(".")
+    try:
+        module = root.get_submodule(path) if path else root
+    except AttributeError:
+        return None
+    for slots in (vars(module).get("_parameters"), vars(module).get("_buffers")):
+        if isinstance(slots, dict) and slots.get(attr) is tensor:
+            return slots, attr
+    return None
 
 
 def _version_of(t: torch.Tensor) -> int | None:
@@ -131,11 +150,13 @@ class Watch:
         self.baked = tuple(unique.values())
         versioned = tuple(b.tensor for b in self.baked if b.version is not None)
         versions = sum(b.version for b in self.baked if b.version is not None)
-        tensors = tuple(b.tensor for b in self.baked)
-        pointers = tuple(b.pointer for b in self.baked)
+        placed = [b for b in self.baked if b.place is not None]
+        loose = [b for b in self.baked if b.place is None]
         rebound = tuple((b.lookup, b.tensor) for b in self.baked if b.rebinds)
         self.fresh: Callable[[], bool] = _fresh_check(
-            versioned, versions, tensors, pointers, _REGISTRATIONS[0], rebound
+            versioned, versions, tuple(b.tensor for b in loose), tuple(b.pointer for b in loose),
+            tuple(b.place[0] for b in placed), tuple(b.place[1] for b in placed), tuple(b.pointer for b in placed),
+            _REGISTRATIONS[0], rebound,
         ) if self.baked else _always
 
 
@@ -144,9 +165,12 @@ def _always() -> bool:
 
 
 def _fresh_check(
-    versioned: tuple, versions: int, tensors: tuple, pointers: tuple, registrations: int, rebound: tuple
+    versioned: tuple, versions: int, tensors: tuple, pointers: tuple, slots: tuple, names: tuple,
+    placed: tuple, registrations: int, rebound: tuple,
 ) -> Callable[[], bool]:
-    """The hot path's check, as one closure over plain data (two C-level maps and a compare)."""
+    """The hot path's check, as one closure over plain data (C-level maps and compares): a
+    module's tensors are read from their ``_parameters`` / ``_buffers`` entries, the others
+    (closed-over ones) from the objects baked."""
     counter = _REGISTRATIONS
 
     def fresh() -> bool:
@@ -154,10 +178,11 @@ def _fresh_check(
             return (
                 counter[0] == registrations
                 and sum(map(_version, versioned)) == versions
+                and tuple(map(_data_ptr, map(_entry, slots, names))) == placed
                 and tuple(map(_data_ptr, tensors)) == pointers
             )
-        except RuntimeError:  # a tensor that cannot say (swapped out by a trace): the miss path looks
-            return False
+        except (RuntimeError, KeyError, TypeError):  # a tensor that cannot say (swapped out by a trace), an
+            return False  # entry gone or None: the miss path looks
 
     if not rebound:
         return fresh
@@ -187,7 +212,7 @@ def bake(
     for name, tensor in {**state, **constants}.items():
         lookup = _module_lookup(owner, name) if owner is not None else None
         if lookup is not None and _lookup(lookup) is tensor:
-            baked.append(Baked.of(name, tensor, lookup))
+            baked.append(Baked.of(name, tensor, lookup, root=owner))
         elif id(tensor) in closures:
             where, lookup = closures[id(tensor)]
             baked.append(Baked.of(where, tensor, lookup, rebinds=True))
@@ -200,6 +225,17 @@ def bake(
         else:
             baked.append(Baked.of(name, tensor, None))
     return baked
+
+
+def lent(owner: torch.nn.Module | None) -> list[str]:
+    """The parameters of ``owner`` whose slot holds a plain tensor, not a ``Parameter``: tensors
+    ``torch.func.functional_call`` lends the module for one call (torch.export refuses them, and
+    the graphs of the module's own parameters serve again once they are put back)."""
+    if owner is None:
+        return []
+    return [f"{where}.{name}" if where else name for where, module in owner.named_modules()
+            for name, p in vars(module).get("_parameters", {}).items()
+            if p is not None and not isinstance(p, torch.nn.Parameter)]
 
 
 def converted_watch(owner: torch.nn.Module | None, target: Any) -> Callable[[], bool]:
@@ -244,7 +280,8 @@ def found_again(recorded: Sequence[tuple[str, str]], owner: torch.nn.Module | No
         tensor = _lookup(lookup) if lookup is not None else None
         if not isinstance(tensor, torch.Tensor):
             return None
-        baked.append(Baked.of(name, tensor, lookup, rebinds=kind == "closure", reached=kind == "reached"))
+        baked.append(Baked.of(name, tensor, lookup, rebinds=kind == "closure", reached=kind == "reached",
+                              root=owner if kind == "module" else None))
     return baked
 
 
