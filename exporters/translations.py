@@ -1,7 +1,8 @@
 """Our ONNX translations of the aten ops whose torchlib translation computes something other
 than torch does; each is registered ahead of torchlib's and delegates to it where it agrees.
 
-``embedding``, ``gather``, ``index_select`` with a negative index, ``nll_loss`` and
+``embedding``, ``gather``, ``index_select``, the scatters (``scatter``, ``scatter_add``,
+``scatter_reduce``, ``index_add``, ``index_copy``) with a negative index, ``nll_loss`` and
 ``cross_entropy_loss`` with a negative class other than ``ignore_index``: torch raises (``IndexError``:
 an id of -1 used as padding, an unfilled slot), ONNX's Gather counts it from the end and the graph
 served the last row. Ours turns a negative index into one past the end, which onnxruntime refuses
@@ -41,7 +42,7 @@ some sizes only (nearest-exact at 0.7: sizes 7, 14, 23, 28; nearest at 2.3: 31 a
 one verified size cannot show. Ours computes torch's index and gathers along each axis
 (scripts/size_sweep.py checks them and the other index arithmetic at every size of a range).
 
-``signbit``: torchlib's ``x < 0`` said False for -0.0. The log-domain ops (``log_sigmoid``, which
+Signs, and float floor division and remainder, are in ``signs.py``. The log-domain ops (``log_sigmoid``, which
 ``binary_cross_entropy_with_logits`` decomposes into, ``logaddexp``, ``logaddexp2``,
 ``logcumsumexp``) are in ``log_domain.py``.
 
@@ -62,7 +63,7 @@ from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core, nn, prims
 from onnxscript.onnx_opset import opset18 as op
 
-from exporters import log_domain
+from exporters import log_domain, signs
 
 
 def scaled_dot_product_attention(
@@ -125,6 +126,44 @@ def index_select(self: Any, dim: int, index: Any) -> Any:
     if len(self.shape) > 0:
         index = _negative_past_end(index, self, dim % len(self.shape))
     return core.aten_index_select(self, dim, index)
+
+
+def _index_checked(torchlib: Callable[..., Any]) -> Callable[..., Any]:
+    """A translation of ``(self, dim, index, ...)`` (scatter, scatter_add, scatter_reduce,
+    index_add, index_copy): torchlib's, a negative index refused at run time as torch refuses it
+    (ONNX's scatters count it from the end, and the write landed in the last row)."""
+    def translated(self: Any, dim: int, index: Any, *rest: Any, **options: Any) -> Any:
+        if len(self.shape) > 0:
+            index = _negative_past_end(index, self, dim % len(self.shape))
+        return torchlib(self, dim, index, *rest, **options)
+
+    return translated
+
+
+def index_add(self: Any, dim: int, index: Any, source: Any, alpha: float = 1) -> Any:
+    """``self`` with ``alpha * source`` added at ``index`` along ``dim`` (torchlib has none:
+    torch's decomposition into ``index_put`` took a negative index from the end)."""
+    if alpha != 1:
+        source = op.Mul(source, op.CastLike(op.Constant(value_float=float(alpha)), source))
+    return _scattered_along(self, dim, index, source, "add")
+
+
+def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
+    """``self`` with ``source`` written at ``index`` along ``dim``, a negative index refused."""
+    return _scattered_along(self, dim, index, source, "none")
+
+
+def _scattered_along(self: Any, dim: int, index: Any, source: Any, reduction: str) -> Any:
+    """ScatterND of ``source``'s slices into ``self``'s along ``dim`` (moved first and back)."""
+    rank = len(self.shape)
+    if rank == 0:
+        return op.ScatterND(self, op.Reshape(index, op.Constant(value_ints=[0])), source, reduction=reduction)
+    dim %= rank
+    perm = [dim] + [i for i in range(rank) if i != dim]
+    back = [perm.index(i) for i in range(rank)]
+    rows = op.Unsqueeze(_negative_past_end(index, self, dim), op.Constant(value_ints=[-1]))
+    out = op.ScatterND(op.Transpose(self, perm=perm), rows, op.Transpose(source, perm=perm), reduction=reduction)
+    return op.Transpose(out, perm=back)
 
 
 def nll_loss(self: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: int = -100) -> Any:
@@ -299,16 +338,28 @@ def div_mode(self: Any, other: Any, rounding_mode: str | None = None) -> Any:
         other.shape, other.dtype = ir.Shape([]), self.dtype  # what torchlib's floor_divide reads
     exact = rounding_mode in ("trunc", "floor") and self.dtype.is_integer() \
         and isinstance(other, ir.Value) and other.dtype == self.dtype
+    if rounding_mode == "floor" and self.dtype.is_floating_point():
+        return signs.floor_divide(self, other)
     if not exact:
         return core.aten_div_mode(self, other, rounding_mode)
     return _integer_division(self, other, op.Div if rounding_mode == "trunc" else core.aten_floor_divide)
 
 
 def floor_divide(self: Any, other: Any) -> Any:
-    """torchlib's ``//``; integers by ``_integer_division``."""
+    """``//``: integers by ``_integer_division``, floats as torch (``signs.floor_divide``)."""
     if self.dtype.is_integer() and isinstance(other, ir.Value) and other.dtype == self.dtype:
         return _integer_division(self, other, core.aten_floor_divide)
+    if self.dtype.is_floating_point():
+        return signs.floor_divide(self, other)
     return core.aten_floor_divide(self, other)
+
+
+def _floats(ours: Callable[..., Any], torchlib: Callable[..., Any]) -> Callable[..., Any]:
+    """``ours`` for a float tensor, torchlib's for the others."""
+    def translated(self: Any, other: Any) -> Any:
+        return (ours if self.dtype.is_floating_point() else torchlib)(self, other)
+
+    return translated
 
 
 def _integer_division(self: Any, other: Any, divide: Callable[[Any, Any], Any]) -> Any:
@@ -451,16 +502,6 @@ def _nan_when_empty(x: Any, dims: Any, out: Any) -> Any:
     return op.Where(op.Equal(count, op.Constant(value_int=0)), nan, out)
 
 
-def signbit(self: Any) -> Any:
-    """Whether the sign bit is set: also for -0.0 (torchlib's ``x < 0`` said False), whose
-    reciprocal is -inf."""
-    if not self.dtype.is_floating_point():
-        return core.aten_signbit(self)
-    zero = op.CastLike(op.Constant(value_float=0.0), self)
-    negative_zero = op.And(op.Equal(self, zero), op.Less(op.Reciprocal(self), zero))
-    return op.Or(op.Less(self, zero), negative_zero)
-
-
 TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.log_sigmoid.default: log_domain.log_sigmoid,
     torch.ops.aten.logaddexp.default: log_domain.logaddexp,
@@ -468,7 +509,14 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.logcumsumexp.default: log_domain.logcumsumexp,
     torch.ops.aten.log1p.default: log_domain.log1p,
     torch.ops.aten.expm1.default: log_domain.expm1,
-    torch.ops.aten.signbit.default: signbit,
+    torch.ops.aten.signbit.default: signs.signbit,
+    torch.ops.aten.atan2.default: _floats(signs.atan2, core.aten_atan2),
+    torch.ops.aten.sign.default: signs.sign,
+    torch.ops.aten.sgn.default: signs.sign,
+    torch.ops.aten.heaviside.default: signs.heaviside,
+    torch.ops.aten.angle.default: signs.angle,
+    torch.ops.aten.remainder.Tensor: _floats(signs.remainder, core.aten_remainder),
+    torch.ops.aten.remainder.Scalar: _floats(signs.remainder, core.aten_remainder),
     torch.ops.aten.clamp.default: clamp,
     torch.ops.aten.clamp_max.default: clamp_max,
     torch.ops.aten.clamp_min.default: clamp_min,
@@ -492,6 +540,12 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.embedding.default: embedding,
     torch.ops.aten.gather.default: gather,
     torch.ops.aten.index_select.default: index_select,
+    torch.ops.aten.scatter.src: _index_checked(core.aten_scatter_src),
+    torch.ops.aten.scatter.value: _index_checked(core.aten_scatter_value),
+    torch.ops.aten.scatter_add.default: _index_checked(core.aten_scatter_add),
+    torch.ops.aten.scatter_reduce.two: _index_checked(core.aten_scatter_reduce),
+    torch.ops.aten.index_add.default: index_add,
+    torch.ops.aten.index_copy.default: index_copy,
     torch.ops.aten.nll_loss.default: nll_loss,
     torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
     torch.ops.aten._adaptive_avg_pool2d.default: adaptive_avg_pool2d,

@@ -294,7 +294,13 @@ def test_random_draws_are_not_captured(draw):
     lambda x, i: torch.index_select(x, 1, i.flatten()),
     lambda x, i: torch.nn.functional.cross_entropy(x[:2], i.flatten()),  # labels padded with -1
     lambda x, i: torch.nn.functional.nll_loss(x[:2].log_softmax(-1), i.flatten(), reduction="none"),
-], ids=["embedding", "gather", "index_select", "cross_entropy", "nll_loss"])
+    lambda x, i: x.scatter(1, i, 7.0),
+    lambda x, i: x.scatter_add(1, i, x[:1, :2]),
+    lambda x, i: x.scatter_reduce(1, i, x[:1, :2], "amax"),
+    lambda x, i: x.index_add(1, i.flatten(), x[:, :2]),
+    lambda x, i: x.index_copy(1, i.flatten(), x[:, :2]),
+], ids=["embedding", "gather", "index_select", "cross_entropy", "nll_loss", "scatter", "scatter_add",
+        "scatter_reduce", "index_add", "index_copy"])
 def test_a_negative_index_raises_as_eager_does(lookup):
     """ONNX's Gather counts a negative index from the end; torch raises (an id of -1 used as
     padding). The graph must not answer with the last row."""

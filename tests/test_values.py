@@ -185,3 +185,37 @@ def test_trap_an_embedding_with_max_norm_writes_its_weight_and_is_never_served()
             torch.testing.assert_close(f(ids), twin(ids))
     torch.testing.assert_close(model.emb.weight, twin.emb.weight)
     assert not any(c.hits for c in f.captures)
+
+
+_NAN = float("nan")
+_DIVIDENDS = torch.tensor([0.7, 1.0, 0.5, 0.9, -0.7, 2.1, 1.0, 1.0, torch.inf, -0.0, 1.0, 3.0])
+_DIVISORS = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.1, -0.7, torch.inf, -torch.inf, 0.7, 0.3, 0.0, _NAN])
+
+# torchlib's float floor division is floor(a / b) and its remainder a - b * floor(a / b): 0.7 // 0.1
+# gave 7 where torch (and Python) give 6, 0.7 % 0.1 gave 0, 1 % inf gave NaN. torch's kernels work
+# from fmod (c10 div_floor_floating, remainder_kernel). atan2 lost the sign of a zero (the angle
+# of a point on the negative x-axis: -pi for +pi) and NaN; sign, heaviside and angle answered a
+# NaN otherwise than torch's CPU kernels.
+SIGNS_AND_ROUNDING = {
+    "floor_divide": (lambda a, b: a // b, (_DIVIDENDS, _DIVISORS)),
+    "remainder": (lambda a, b: a % b, (_DIVIDENDS, _DIVISORS)),
+    "div floor": (lambda a, b: torch.div(a, b, rounding_mode="floor"), (_DIVIDENDS, _DIVISORS)),
+    "// and % by a number": (lambda a: (a // 0.1, a % 0.1, a % -0.3), (_DIVIDENDS,)),
+    "atan2": (torch.atan2, (torch.tensor([0.0, 1.0, _NAN, 2.0, 0.0, -0.0, 0.0, -0.0, torch.inf, torch.inf, -torch.inf,
+                                          -1.0, 3.0, -0.0, -0.0, 0.0]),
+                            torch.tensor([-1.0, -0.0, 1.0, _NAN, -2.5, -1.0, 0.0, -0.0, torch.inf, -torch.inf,
+                                          -torch.inf, -torch.inf, 2.0, 0.0, 3.0, -0.0]))),
+    "sign, sgn": (lambda x: (torch.sign(x), torch.sgn(x)), (torch.tensor([_NAN, -0.0, 0.0, 2.0, -3.0]),)),
+    "heaviside": (lambda x: torch.heaviside(x, torch.tensor(0.5)), (torch.tensor([_NAN, 0.0, -1.0, 1.0, -0.0]),)),
+    "angle": (torch.angle, (torch.tensor([_NAN, -1.0, 0.0, -0.0, 1.0, -torch.inf]),)),
+}
+
+
+@pytest.mark.parametrize("name", SIGNS_AND_ROUNDING)
+def test_trap_signs_and_float_rounding_are_torchs(name):
+    fn, trap = SIGNS_AND_ROUNDING[name]
+    ordinary = tuple(torch.rand_like(t) + 0.5 for t in trap)
+    got, want = _served(fn, ordinary, trap)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+    for g, w in zip(*((got, want) if isinstance(got, tuple) else ((got,), (want,)))):
+        assert torch.equal(torch.signbit(g[w == 0]), torch.signbit(w[w == 0])), (g, w)  # zeros' signs too
