@@ -42,7 +42,8 @@ some sizes only (nearest-exact at 0.7: sizes 7, 14, 23, 28; nearest at 2.3: 31 a
 one verified size cannot show. Ours computes torch's index and gathers along each axis
 (scripts/size_sweep.py checks them and the other index arithmetic at every size of a range).
 
-Signs, and float floor division and remainder, are in ``signs.py``. The log-domain ops (``log_sigmoid``, which
+Signs, and float floor division and remainder, are in ``signs.py``; Python numbers in float64
+and half-precision graphs (``x * 0.1``, ``x / 65535.0``) in ``scalars.py``. The log-domain ops (``log_sigmoid``, which
 ``binary_cross_entropy_with_logits`` decomposes into, ``logaddexp``, ``logaddexp2``,
 ``logcumsumexp``) are in ``log_domain.py``.
 
@@ -63,7 +64,7 @@ from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core, nn, prims
 from onnxscript.onnx_opset import opset18 as op
 
-from exporters import log_domain, signs
+from exporters import log_domain, scalars, signs
 
 
 def scaled_dot_product_attention(
@@ -509,6 +510,10 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.logcumsumexp.default: log_domain.logcumsumexp,
     torch.ops.aten.log1p.default: log_domain.log1p,
     torch.ops.aten.expm1.default: log_domain.expm1,
+    torch.ops.aten.scalar_tensor.default: scalars.scalar_tensor,
+    **{overload: scalars.in_opmath(torchlib) for overload, torchlib in (
+        (torch.ops.aten.add.Tensor, core.aten_add), (torch.ops.aten.sub.Tensor, core.aten_sub),
+        (torch.ops.aten.mul.Tensor, core.aten_mul), (torch.ops.aten.div.Tensor, core.aten_div))},
     torch.ops.aten.signbit.default: signs.signbit,
     torch.ops.aten.atan2.default: _floats(signs.atan2, core.aten_atan2),
     torch.ops.aten.sign.default: signs.sign,

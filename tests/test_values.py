@@ -219,3 +219,28 @@ def test_trap_signs_and_float_rounding_are_torchs(name):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
     for g, w in zip(*((got, want) if isinstance(got, tuple) else ((got,), (want,)))):
         assert torch.equal(torch.signbit(g[w == 0]), torch.signbit(w[w == 0])), (g, w)  # zeros' signs too
+
+
+_PIXELS = torch.tensor([65000.0, 30000.0, 1000.0, 60000.0, 7.0])
+
+# A Python number in a half or float64 graph: torch computes a half op in float32 with the number
+# in float32, and a float64 op with every digit of it; the graph used float16's 65535 (inf: served
+# zeros) and float32's 0.1 in float64 (1e-8 off, under float64's former tolerance).
+NUMBERS = {
+    "float16 x / 65535": (lambda x: x / 65535.0, (_PIXELS.half(),)),
+    "float16 x * 1e-8": (lambda x: x * 1e-8, (_PIXELS.half(),)),
+    "bfloat16 x / 70000 - 1e-3": (lambda x: x / 70000.0 - 1e-3, (_PIXELS.bfloat16(),)),
+    "float64 x * 0.1 + pi": (lambda x: x * 0.1 + 3.141592653589793, (_PIXELS.double(),)),
+    "float64 full_like(x, 0.1)": (lambda x: x + torch.full_like(x, 0.1), (_PIXELS.double(),)),
+}
+
+
+@pytest.mark.parametrize("name", NUMBERS)
+def test_trap_a_number_in_a_half_or_double_graph_is_torchs(name):
+    fn, trap = NUMBERS[name]
+    f = cr.compile(fn)
+    with torch.no_grad():
+        f(torch.rand_like(trap[0])), f(torch.rand_like(trap[0]))
+        got, want = f(*trap), fn(*trap)
+    torch.testing.assert_close(got, want, rtol=1e-15, atol=0)  # served (where it serves) exactly as eager
+    assert sum(c.hits for c in f.captures) > 0 or "float64" in name  # float64's leaks are refused at worst
