@@ -227,7 +227,8 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     """The exporter's program; its failures as one ``RuntimeError`` with the root cause, a trace
     that writes buffers as ``WritesState``."""
     try:
-        with _EXPORTING, quiet(), _fx_sources_dropped(), _tracer_patches_in_this_thread(flat):
+        with _EXPORTING, quiet(), _fx_sources_dropped(), _tracer_patches_in_this_thread(flat), \
+                _inference_parameters_frozen(owner):
             # In a copy of the context: every `config.patch(...)` torch enters makes a ContextVar
             # of its own, which stays in the context that set it for good (5 a capture); in a
             # copy, they go with it. The patches restore their values on exit, so nothing else
@@ -242,6 +243,23 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     _refuse_state_writes(program.exported_program, owner)
     _refuse_random(program.exported_program, owner)
     return program
+
+
+@contextlib.contextmanager
+def _inference_parameters_frozen(owner: torch.nn.Module | None) -> Iterator[None]:
+    """While the block runs, parameters that are inference tensors (a model converted under
+    ``torch.inference_mode()``: ``.half()``, ``.to(device)``) do not require grad: torch.export
+    sets the flag on its copies again, which torch refuses for inference tensors outside
+    inference mode. Their flag is put back after, in inference mode, where torch allows it."""
+    lowered = [p for p in owner.parameters() if p.requires_grad and p.is_inference()] if owner is not None else []
+    for p in lowered:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        with torch.inference_mode():
+            for p in lowered:
+                p.requires_grad_(True)
 
 
 @contextlib.contextmanager

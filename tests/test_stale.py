@@ -394,3 +394,20 @@ def test_trap_a_class_attribute_changed_after_capture_recaptures(held):
     got, expected = _served_and_eager(f, model, x)
     torch.testing.assert_close(got, expected)
     assert f.captures[-1].hits >= 1  # served again from the new capture
+
+
+def test_trap_a_model_converted_under_inference_mode_is_served():
+    """Deploy code converts under ``torch.inference_mode()`` (``model.half().float()``,
+    ``.to(device)``): its parameters became inference tensors that still require grad, which
+    torch.export refused to trace, and the function served eagerly for good."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).eval()
+    with torch.inference_mode():
+        model.to(torch.float64).to(torch.float32)
+    f = cr.compile(model)
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        for _ in range(3):
+            torch.testing.assert_close(f(x), model(x))
+    assert f.state is State.Compiled and sum(c.hits for c in f.captures) == 2
+    assert all(p.requires_grad for p in model.parameters())  # as the user left them
