@@ -43,7 +43,8 @@ one verified size cannot show. Ours computes torch's index and gathers along eac
 (scripts/size_sweep.py checks them and the other index arithmetic at every size of a range).
 
 Signs, and float floor division and remainder, are in ``signs.py``; Python numbers in float64
-and half-precision graphs (``x * 0.1``, ``x / 65535.0``) in ``scalars.py``. The log-domain ops (``log_sigmoid``, which
+and half-precision graphs (``x * 0.1``, ``x / 65535.0``) in ``scalars.py``; integer powers in
+``integer_power.py``. The log-domain ops (``log_sigmoid``, which
 ``binary_cross_entropy_with_logits`` decomposes into, ``logaddexp``, ``logaddexp2``,
 ``logcumsumexp``) are in ``log_domain.py``.
 
@@ -64,7 +65,7 @@ from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core, nn, prims
 from onnxscript.onnx_opset import opset18 as op
 
-from exporters import log_domain, scalars, signs
+from exporters import integer_power, log_domain, scalars, signs
 
 
 def scaled_dot_product_attention(
@@ -514,6 +515,9 @@ TABLE: dict[Any, Callable[..., Any]] = {
     **{overload: scalars.in_opmath(torchlib) for overload, torchlib in (
         (torch.ops.aten.add.Tensor, core.aten_add), (torch.ops.aten.sub.Tensor, core.aten_sub),
         (torch.ops.aten.mul.Tensor, core.aten_mul), (torch.ops.aten.div.Tensor, core.aten_div))},
+    torch.ops.aten.pow.Tensor_Tensor: integer_power.pow_tensor_tensor,
+    torch.ops.aten.pow.Tensor_Scalar: integer_power.pow_tensor_scalar,
+    torch.ops.aten.pow.Scalar: integer_power.pow_scalar,
     torch.ops.aten.signbit.default: signs.signbit,
     torch.ops.aten.atan2.default: _floats(signs.atan2, core.aten_atan2),
     torch.ops.aten.sign.default: signs.sign,
