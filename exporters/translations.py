@@ -2,8 +2,8 @@
 than torch does; each is registered ahead of torchlib's and delegates to it where it agrees.
 
 ``embedding``, ``gather``, ``index_select``, the scatters (``scatter``, ``scatter_add``,
-``scatter_reduce``, ``index_add``, ``index_copy``) with a negative index, ``nll_loss`` and
-``cross_entropy_loss`` with a negative class other than ``ignore_index``: torch raises (``IndexError``:
+``scatter_reduce``, ``index_add``, ``index_copy``) with a negative index (the losses, with a
+negative class, in ``losses.py``): torch raises (``IndexError``:
 an id of -1 used as padding, an unfilled slot), ONNX's Gather counts it from the end and the graph
 served the last row. Ours turns a negative index into one past the end, which onnxruntime refuses
 at run time; the call then runs eagerly and raises torch's own error.
@@ -65,7 +65,7 @@ from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core, nn, prims
 from onnxscript.onnx_opset import opset18 as op
 
-from exporters import integer_power, log_domain, scalars, signs
+from exporters import integer_power, log_domain, losses, scalars, signs
 
 
 def scaled_dot_product_attention(
@@ -166,54 +166,6 @@ def _scattered_along(self: Any, dim: int, index: Any, source: Any, reduction: st
     rows = op.Unsqueeze(_negative_past_end(index, self, dim), op.Constant(value_ints=[-1]))
     out = op.ScatterND(op.Transpose(self, perm=perm), rows, op.Transpose(source, perm=perm), reduction=reduction)
     return op.Transpose(out, perm=back)
-
-
-def nll_loss(self: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: int = -100) -> Any:
-    """torchlib's nll_loss, a negative class (but ``ignore_index``) refused at run time."""
-    return nn.aten_nll_loss(self, _negative_class_past_end(target, self, ignore_index), weight, reduction,
-                            ignore_index)
-
-
-def cross_entropy_loss(self: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: Any = -100,
-                       label_smoothing: float = 0.0) -> Any:
-    """torchlib's cross_entropy_loss, a negative class (but ``ignore_index``) refused at run time:
-    labels padded with -1 under the default ``ignore_index=-100`` raise in torch. An
-    ``ignore_index`` that is a size (a question-answering head ignores positions past the
-    sequence: ``ignore_index=seq_len``) is no attribute onnxruntime's loss takes: computed here."""
-    if target.dtype is not None and target.dtype.is_integer():
-        target = _negative_class_past_end(target, self, ignore_index)
-    if isinstance(ignore_index, ir.Value) and weight is None and not label_smoothing:
-        return _cross_entropy_ignoring(self, target, ignore_index, reduction)
-    return nn.aten_cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing)
-
-
-def _cross_entropy_ignoring(scores: Any, target: Any, ignore_index: Any, reduction: int) -> Any:
-    """``-log_softmax(scores)[target]`` over classes (axis 1), 0 where ``target == ignore_index``;
-    the mean is over the others (NaN when none is left, as in torch)."""
-    ignore = op.CastLike(ignore_index, target)
-    kept = op.Not(op.Equal(target, ignore))
-    one = op.Constant(value_ints=[1])
-    picked = op.GatherElements(op.LogSoftmax(scores, axis=1), op.Unsqueeze(op.Where(kept, target, op.CastLike(
-        op.Constant(value_int=0), target)), one), axis=1)
-    losses = op.Where(kept, op.Neg(op.Squeeze(picked, one)), op.CastLike(op.Constant(value_float=0.0), scores))
-    if reduction == 0:
-        return losses
-    total = op.ReduceSum(losses, keepdims=0)
-    return total if reduction == 2 else op.Div(total, op.CastLike(op.ReduceSum(op.Cast(kept, to=ir.DataType.INT64),
-                                                                               keepdims=0), scores))
-
-
-def _negative_class_past_end(target: Any, scores: Any, ignore_index: Any) -> Any:
-    """``target`` with each negative class but ``ignore_index`` replaced by the class count:
-    out of range, which onnxruntime refuses (the call then runs eagerly and raises torch's error)."""
-    axis = 1 if len(scores.shape) > 1 else 0
-    classes = op.CastLike(op.Squeeze(op.Shape(scores, start=axis, end=axis + 1)), target)
-    ignore = op.CastLike(ignore_index if isinstance(ignore_index, ir.Value) else op.Constant(value_int=ignore_index),
-                         target)
-    bad = op.And(op.Less(target, op.CastLike(op.Constant(value_int=0), target)), op.Not(op.Equal(target, ignore)))
-    fixed = op.Where(bad, classes, target)
-    fixed.shape, fixed.dtype = target.shape, target.dtype  # what torchlib's translation reads of its target
-    return fixed
 
 
 def _negative_past_end(index: Any, data: Any, axis: int) -> Any:
@@ -555,8 +507,8 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.scatter_reduce.two: _index_checked(core.aten_scatter_reduce),
     torch.ops.aten.index_add.default: index_add,
     torch.ops.aten.index_copy.default: index_copy,
-    torch.ops.aten.nll_loss.default: nll_loss,
-    torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
+    torch.ops.aten.nll_loss.default: losses.nll_loss,
+    torch.ops.aten.cross_entropy_loss.default: losses.cross_entropy_loss,
     torch.ops.aten._adaptive_avg_pool2d.default: adaptive_avg_pool2d,
     **{getattr(torch.ops.aten, f"upsample_nearest{n}d").vec: _upsample_nearest(exact=False) for n in (1, 2, 3)},
     **{getattr(torch.ops.aten, f"_upsample_nearest_exact{n}d").vec: _upsample_nearest(exact=True) for n in (1, 2, 3)},
