@@ -132,13 +132,16 @@ def test_trap_a_compiled_function_calling_another_sees_its_models_changes(change
     def outer(x):
         return inner(x) * 2 + 1
 
-    f = cr.compile(outer)
-    x = torch.randn(3, 4)
+    _recaptured_once(cr.compile(outer), outer, lambda: _NESTED_CHANGES[change](model), torch.randn(3, 4))
+
+
+def _recaptured_once(f: cr.CompiledFunction, eager, change, x) -> None:
+    """``f(x)`` captured and served; after ``change()``, served as ``eager(x)`` by one re-capture."""
     with torch.no_grad():
         f(x), f(x)
-        _NESTED_CHANGES[change](model)
+        change()
         for _ in range(2):
-            torch.testing.assert_close(f(x), outer(x))
+            torch.testing.assert_close(f(x), eager(x))
     assert f.recapture_count == 1, f.recapture_reasons
 
 
@@ -191,14 +194,7 @@ def test_trap_a_parameter_or_buffer_slot_changed_after_capture_is_seen(change):
     runs for that)."""
     torch.manual_seed(0)
     model = _Slots().eval()
-    f = cr.compile(model)
-    ids = torch.randint(0, 6, (2, 5))
-    with torch.no_grad():
-        f(ids), f(ids)
-        _SLOT_CHANGES[change](model)
-        for _ in range(2):
-            torch.testing.assert_close(f(ids), model(ids))
-    assert f.recapture_count == 1, f.recapture_reasons
+    _recaptured_once(cr.compile(model), model, lambda: _SLOT_CHANGES[change](model), torch.randint(0, 6, (2, 5)))
 
 
 def test_trap_functional_call_through_a_compiled_forward_uses_the_parameters_passed():

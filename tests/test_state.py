@@ -48,15 +48,20 @@ class WithChild(torch.nn.Module):
         return self.child(x) + 1
 
 
-def _knobs() -> tuple[Knobs, cr.CompiledFunction, torch.Tensor]:
+def _captured(model: torch.nn.Module, calls: int = 2) -> tuple[torch.nn.Module, cr.CompiledFunction, torch.Tensor]:
+    """``model`` (seeded, in eval mode) compiled and called ``calls`` times (a capture, then served)."""
     torch.manual_seed(0)
-    model = Knobs().eval()
+    model = model.eval()
     f = cr.compile(model)
     x = torch.randn(2, 4)
     with torch.no_grad():
-        f(x)
-        f(x)  # served
+        for _ in range(calls):
+            f(x)
     return model, f, x
+
+
+def _knobs() -> tuple[Knobs, cr.CompiledFunction, torch.Tensor]:
+    return _captured(Knobs())
 
 
 def _set_config_flag(m: Knobs) -> None:
@@ -662,13 +667,7 @@ class _Counted(torch.nn.Module):
 
 
 def _counted() -> tuple[_Counted, cr.CompiledFunction, torch.Tensor]:
-    torch.manual_seed(0)
-    model = _Counted().eval()
-    f = cr.compile(model)
-    x = torch.randn(2, 4)
-    with torch.no_grad():
-        f(x)
-    return model, f, x
+    return _captured(_Counted(), calls=1)
 
 
 def test_trap_bookkeeping_the_call_never_reads_is_not_a_change_of_state():
