@@ -18,7 +18,7 @@ import torch
 from torch.export import Dim
 
 from exporters import conditions as conds
-from exporters import exact_rewrites, fusion, graph_edits, nan_guard, translations, transposes
+from exporters import exact_rewrites, fast_paths, fusion, graph_edits, nan_guard, translations, transposes
 from exporters.dtypes import onnx_dtype
 from exporters.quiet import quiet
 
@@ -228,7 +228,7 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     that writes buffers as ``WritesState``."""
     try:
         with _EXPORTING, quiet(), _fx_sources_dropped(), _tracer_patches_in_this_thread(flat), \
-                _inference_parameters_frozen(owner):
+                _inference_parameters_frozen(owner), fast_paths.encoders_as_in_eager(owner):
             # In a copy of the context: every `config.patch(...)` torch enters makes a ContextVar
             # of its own, which stays in the context that set it for good (5 a capture); in a
             # copy, they go with it. The patches restore their values on exit, so nothing else

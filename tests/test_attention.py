@@ -223,3 +223,29 @@ def test_trap_sdpa_with_a_row_of_minus_infinity_in_a_float_mask_returns_zeros():
     assert current(f).stats.hits == hits + 1 and f.state is cr.CompiledFunction.State.Compiled
     torch.testing.assert_close(got, attend(*args))
     assert torch.count_nonzero(got[1]) == 0
+
+
+def _encoder(norm: bool) -> torch.nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 2, norm=torch.nn.LayerNorm(16) if norm else None).eval()
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "final-norm"])
+def test_trap_a_transformer_encoders_padded_positions_are_served_as_its_fast_path_leaves_them(norm):
+    """In eval without grad, ``nn.TransformerEncoder`` runs padded batches as nested tensors and
+    pads them back with zeros (before its final norm) where the padding is at the end of each row;
+    a trace takes its other path, which computes those positions: a graph captured from an
+    unpadded batch served them non-zero (1.8 off), a mean over every position differed."""
+    model = _encoder(norm)
+    f = cr.compile(model)
+    x = torch.randn(2, 6, 16)
+    at_end = torch.zeros(2, 6, dtype=torch.bool)
+    at_end[1, 4:] = True
+    at_start = torch.zeros(2, 6, dtype=torch.bool)
+    at_start[1, :2] = True  # not left-aligned: eager's path computes every position
+    with torch.inference_mode():
+        f(x, src_key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
+        for mask in (at_end, at_start, at_end):
+            torch.testing.assert_close(f(x, src_key_padding_mask=mask), model(x, src_key_padding_mask=mask))
+    assert sum(c.hits for c in f.captures) == 3 and f.recapture_count == 0
