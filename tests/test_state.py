@@ -4,7 +4,9 @@ re-captures (and says which), and when none does, no call pays for a capture."""
 
 from __future__ import annotations
 
+import copy
 import functools
+import pickle
 import types
 
 import pytest
@@ -679,7 +681,6 @@ def test_trap_bookkeeping_the_call_never_reads_is_not_a_change_of_state():
         for i in range(10):
             model.requests += 1
             model.last_latency = 0.1 * i
-            model.beta = float(i)  # read only under mode "b": not by the captured call
             torch.testing.assert_close(f(x), model(x))
     assert f.recapture_count == 0 and sum(c.hits for c in f.captures) == 10
 
@@ -739,4 +740,87 @@ def test_trap_a_forward_reading_its_own_dict_keeps_every_attribute_watched():
         f(x)
         model.gain = 5.0
         torch.testing.assert_close(f(x), x * 5)
+    assert f.recapture_count == 1
+
+
+class _Gate(torch.nn.Module):
+    """A forward that checks its own class, pickles its config, deletes a private attribute once,
+    reads an attribute through object.__getattribute__ and one of a deep copy."""
+
+    registry: dict = {}
+
+    def __init_subclass__(cls, **kwargs):  # a plugin registry by name, wrapping each forward
+        super().__init_subclass__(**kwargs)
+        _Gate.registry[cls.__name__] = cls
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = types.SimpleNamespace(scale=2.0)
+        self.k, self._once = 3.0, True
+
+    def forward(self, x):
+        if "_once" in vars(self):  # lazy set-up, once (nn.LazyLinear deletes its hooks so)
+            del self._once
+        y = x * self.k if type(self) is _Gate else x - self.k
+        y = y * object.__getattribute__(self, "k")
+        return y * copy.deepcopy(self.cfg).scale + len(pickle.dumps(self.cfg)) * 0
+
+
+def test_trap_watching_what_a_capture_reads_leaves_the_users_classes_alone():
+    """Noting reads by giving each object a subclass for the run: ``type(self) is Gate`` went
+    False (wrong answers, in other threads too), ``__init_subclass__`` registered the subclass,
+    pickling the config raised, a forward deleting a private attribute broke the capture, and
+    reads through ``object.__getattribute__`` or a deep copy went unwatched (served stale)."""
+    model, f, x = _captured(_Gate())
+    assert set(_Gate.registry) == set() and type(model) is _Gate
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model(x))
+        assert sum(c.hits for c in f.captures) >= 1
+        for change in (lambda: setattr(model, "k", 5.0), lambda: setattr(model.cfg, "scale", 7.0)):
+            change()
+            torch.testing.assert_close(f(x), model(x))
+    assert f.recapture_count == 2
+
+
+class _Stats(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.stats = types.SimpleNamespace(requests=0, last_latency=0.0)  # the caller's
+        self.opts = types.SimpleNamespace(scale=2.0, calls=0)  # scale read, calls the caller's
+
+    def forward(self, x):
+        return self.fc(x) * self.opts.scale
+
+
+def test_trap_bookkeeping_in_a_namespace_the_call_never_reads_is_not_a_change():
+    model, f, x = _captured(_Stats())
+    with torch.no_grad():
+        for i in range(4):
+            model.stats.requests += 1
+            model.opts.calls += 1
+            torch.testing.assert_close(f(x), model(x))
+        model.opts.scale = 3.0
+        torch.testing.assert_close(f(x), model(x))
+    assert f.recapture_count == 1
+
+
+class _Cached(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self._scale = 2.0
+
+    @functools.cached_property
+    def unit(self) -> float:
+        return 1.0
+
+    def forward(self, x):
+        return x * self._scale * self.unit
+
+
+def test_trap_a_private_attribute_read_beside_a_cached_property_stays_watched():
+    model, f, x = _captured(_Cached())
+    with torch.no_grad():
+        model._scale = 5.0
+        torch.testing.assert_close(f(x), model(x))
     assert f.recapture_count == 1

@@ -168,28 +168,28 @@ class Lifecycle(Fallbacks):
         with TARGETS.shared():
             before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
         ahead = restore.ahead(self.target, plan)  # the disk cache looked up beside the eager call
-        with reads.noted(before.holders) as notes:  # what the eager run and the trace read of its objects
+        with reads.noted() as codes:  # the code the eager run runs: the names it can read
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
-            progress.ran, progress.out = True, out
-            if mutated:
-                return self._refuse(plan.call, mutation(mutated), generation, lambda: out, plan.point)
-            with TARGETS.shared():
-                written = before.moved()  # by this call's eager run: outputs of the target, not inputs
-                # The state the trace starts from: a change another thread makes while it runs is a
-                # change the next call sees (taken after the trace, it would be baked unseen).
-                snapshot = before.refreshed(written)
-                hooked = hook_containers(self.target.owner) if self.target.owner is not None else []
-                put_back = before.keeper(written, [held for _, held in hooked])  # what the trace's writes overwrite
-            plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
-            try:
-                attempt = degrade.build(self.target, plan, out, ahead)
-            except CaptureError as error:
-                why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
-                    if written and isinstance(error, VerificationError) else ""
-                return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
-            finally:
-                put_back()
-        seen = reads.read(before.holders, notes)
+        progress.ran, progress.out = True, out
+        if mutated:
+            return self._refuse(plan.call, mutation(mutated), generation, lambda: out, plan.point)
+        with TARGETS.shared():
+            written = before.moved()  # by this call's eager run: outputs of the target, not inputs
+            # The state the trace starts from: a change another thread makes while it runs is a
+            # change the next call sees (taken after the trace, it would be baked unseen).
+            snapshot = before.refreshed(written)
+            hooked = hook_containers(self.target.owner) if self.target.owner is not None else []
+            put_back = before.keeper(written, [held for _, held in hooked])  # what the trace's writes overwrite
+        plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
+        try:
+            attempt = degrade.build(self.target, plan, out, ahead)
+        except CaptureError as error:
+            why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
+                if written and isinstance(error, VerificationError) else ""
+            return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
+        finally:
+            put_back()
+        seen = reads.read(codes, before.holders)
         attempt.notes.extend(_unwatched(attempt.capture, written))
         keeping = sorted({name for name, _ in hooked})
         if keeping:

@@ -1,154 +1,120 @@
-"""Which attributes of the target's objects a capture's own runs read, so that the per-call
-watch leaves out the rest: a request counter, the last latency, the last batch kept for
-logging (bookkeeping the caller updates between calls) are no change of state.
+"""Which attribute names a capture's eager run can have read, so that the per-call watch leaves
+out the others: a request counter, the last latency, a stats namespace the caller updates
+between calls are no change of state.
 
-While a capture's eager run and its trace last, each watched object of a class of the user's
-own or of ``torch.nn`` wears a subclass of its class whose ``__getattribute__`` notes every
-name asked of it, found or not (``getattr(self, "bias", 0.0)`` before ``bias`` exists is a read:
-adding it later is a change); its own class is put back when they end, whatever happens. A
-value never read cannot change what the call computed (what it reads decides every branch it
-takes: the argument torch.compile's guards rest on), so what no capture read is not watched,
-and what a capture read is, private attributes too (``self._scale`` behind a property).
+While the eager run lasts, this thread's trace function (``sys.settrace``, chained to one already
+set: a debugger, coverage) notes each code object that starts. The names the run can have read
+are those its code names (``co_names``: every ``x.attr`` loaded) and its string constants
+(``getattr(self, "bias", 0.0)``, ``vars(self)["gain"]``, ``object.__getattribute__(self, "k")``),
+closed over the methods and properties of the watched objects' classes those names name (a
+branch under ``torch.compiler.is_compiling()`` calling a method eager never called). A name in
+code of a branch not taken counts too: more is watched, never less. The objects are not touched.
 
-Not seen, so such objects stay watched whole: a read through the object's ``__dict__`` from
-the user's code (``vars(self)["gain"]``); objects of other libraries' classes (transformers'
-configs translate names in a ``__getattribute__`` of their own, and its layers wrap ``forward``
-in every subclass), whose public attributes stay watched as before.
+A value that no code of the run names cannot have decided what the call computed (what it reads
+decides every branch it takes: the argument torch.compile's guards rest on), but for reads whose
+name is computed (``getattr(self, name)``): where the user's own code names ``vars`` or
+``__dict__``, nothing is left out. An object whose class translates names in a
+``__getattribute__`` of its own (transformers' configs) is watched whole.
 """
 
 from __future__ import annotations
 
-import contextvars
 import sys
-import weakref
+import types
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from types import MappingProxyType
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping
 
-from clika_runtime.base.libraries import ours
+from clika_runtime.base.libraries import library_package
 from clika_runtime.state.compare import Part, dict_part
 
-# The names noted per watched object (by id) in this thread, one dictionary per capture running
-# (a capture inside another's eager run notes for both).
-_NOTING: contextvars.ContextVar[tuple[dict[int, set[str]], ...]] = contextvars.ContextVar("clika_runtime reads",
-                                                                                          default=())
-_WHOLE = "__dict__"  # a read of the whole dictionary: every attribute may matter
-_OWN = ("torch.", "clika_runtime.", "exporters.")  # modules whose reads of __dict__ are bookkeeping
-
-
-def _noting(self: Any, name: str) -> Any:
-    for notes in _NOTING.get():
-        seen = notes.get(id(self))
-        if seen is not None and (name != _WHOLE or _users(sys._getframe(1))):
-            seen.add(name)
-    return object.__getattribute__(self, name)
-
-
-def _users(frame: Any) -> bool:
-    """Whether a read of ``__dict__`` comes from the user's code, not torch's ``Module.__getattr__``
-    and ``__setattr__`` (which read it on every submodule access) or ours."""
-    return not (frame.f_globals.get("__name__") or "").startswith(_OWN)
-
-
-_NOTING_CLASSES: "weakref.WeakKeyDictionary[type, type | None]" = weakref.WeakKeyDictionary()
-
-
-def _noting_class(cls: type) -> type | None:
-    """``cls`` noting reads, made once per class; ``None`` for a class whose reads are not noted."""
-    try:
-        return _NOTING_CLASSES[cls]
-    except KeyError:
-        pass
-    made = None
-    if cls.__getattribute__ is object.__getattribute__ and (ours(cls) or cls.__module__.startswith("torch.nn.")):
-        try:
-            made = type(cls)(cls.__name__, (cls,), {"__getattribute__": _noting, "__slots__": (),
-                                                    "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        except Exception:  # a metaclass or an __init_subclass__ that refuses: not noted
-            made = None
-    _NOTING_CLASSES[cls] = made
-    return made
+_WHOLE = frozenset({"vars", "__dict__"})  # the user's code reading every attribute at once
+_CLOSED_OVER = 4  # rounds of methods found through names (a method calling a method ...)
 
 
 @dataclass(frozen=True)
 class Reads:
-    """The names the captures' runs read of each noted object, by the id of its ``__dict__`` (an
-    object's attributes are watched there), with the object held weakly: an id whose object is
-    gone, or not the one noted, is not used."""
+    """The attribute names the captures' runs can have read (``None``: any: nothing is left out)."""
 
-    names: Mapping[int, tuple[Any, frozenset[str]]] = field(default_factory=lambda: MappingProxyType({}))
+    names: frozenset[str] | None = frozenset()
 
     def __or__(self, other: "Reads") -> "Reads":
-        merged = dict(self.names)
-        for key, (ref, names) in other.names.items():
-            mine = merged.get(key)
-            merged[key] = (ref, names | mine[1] if mine is not None and mine[0]() is ref() else names)
-        return Reads(MappingProxyType(merged))
-
-    def of(self, container: Any) -> frozenset[str] | None:
-        """The names read of the object whose dictionary is ``container`` (``None``: not noted)."""
-        entry = self.names.get(id(container))
-        if entry is None:
-            return None
-        holder = entry[0]()
-        if holder is None or object.__getattribute__(holder, "__dict__") is not container or _WHOLE in entry[1]:
-            return None
-        return entry[1]
+        if self.names is None or other.names is None:
+            return Reads(None)
+        return Reads(self.names | other.names)
 
 
-def narrowed(part: Part, reads: Reads) -> Part:
-    """``part`` watching what the captures read of its object, private attributes included, and
-    not what they did not; an object whose reads were not noted keeps its public attributes."""
-    if part.size is None:  # not an object's attributes
+@contextmanager
+def noted() -> Iterator[dict[types.CodeType, str]]:
+    """The code objects that start in this thread while the block runs, with their module's name."""
+    codes: dict[types.CodeType, str] = {}
+    previous = sys.gettrace()
+
+    def tracer(frame: types.FrameType, event: str, arg: Any) -> Any:
+        codes.setdefault(frame.f_code, frame.f_globals.get("__name__") or "")
+        return previous(frame, event, arg) if previous is not None else None
+
+    sys.settrace(tracer)
+    try:
+        yield codes
+    finally:
+        sys.settrace(previous)
+
+
+def read(codes: Mapping[types.CodeType, str], holders: Mapping[int, Any]) -> Reads:
+    """The names the code in ``codes`` can read, closed over the watched objects' (``holders``)
+    methods and properties those names name."""
+    names: set[str] = set()
+    for code, module in codes.items():
+        named = _named(code)
+        if named & _WHOLE and not library_package(module.split(".")[0]):
+            return Reads(None)
+        names |= named
+    classes = {type(holder) for holder in holders.values()}
+    for _ in range(_CLOSED_OVER):
+        more = {name for cls in classes for code in _methods(cls, names) for name in _named(code)} - names
+        if not more:
+            break
+        names |= more
+    return Reads(frozenset(names))
+
+
+def _named(code: types.CodeType) -> set[str]:
+    return set(code.co_names) | {c for c in code.co_consts if isinstance(c, str)} | {
+        name for c in code.co_consts if isinstance(c, types.CodeType) for name in _named(c)}
+
+
+def _methods(cls: type, names: set[str]) -> Iterator[types.CodeType]:
+    """The code of ``cls``'s functions, properties and cached properties named in ``names``."""
+    for owner in cls.__mro__:
+        for name, value in vars(owner).items():
+            if name not in names:
+                continue
+            for fn in (value, getattr(value, "fget", None), getattr(value, "func", None), getattr(value, "__func__", None)):
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    yield code
+
+
+def narrowed(part: Part, reads: Reads, holder: Any) -> Part:
+    """``part`` (the attributes of ``holder``) watching the names the captures can have read,
+    private ones included, and not the others; all of them where any may have been read; the
+    public ones of an object whose class translates names (its private ones stay out)."""
+    if part.size is None or holder is None:  # not an object's attributes
         return part
-    names = reads.of(part.container)
-    if names is None:
+    if _translates(type(holder)):
         return _kept(part, [k for k in part.keys if k not in part.hidden], None) if part.hidden else part
-    return _kept(part, [k for k in part.keys if k in names], names)
+    if reads.names is None:
+        return replace(part, hidden=frozenset())
+    return _kept(part, [k for k in part.keys if k in reads.names], reads.names)
+
+
+def _translates(cls: type) -> bool:
+    """Whether ``cls`` (or a base) has a ``__getattribute__`` of its own in Python: a name asked
+    may be read under another (transformers' ``config.hidden_size`` reads ``n_embd``)."""
+    return any(isinstance(vars(owner).get("__getattribute__"), types.FunctionType) for owner in cls.__mro__)
 
 
 def _kept(part: Part, keys: list[str], only: frozenset[str] | None) -> Part:
     fewer = dict_part(part.name, part.container, keys, sized=True)
     return replace(fewer, variables=part.variables, per_call=part.per_call, only=only)
-
-
-@contextmanager
-def noted(holders: Mapping[int, Any]) -> Iterator[dict[int, set[str]]]:
-    """Note the names asked of ``holders`` (by their dictionaries' ids) in this thread while the
-    block runs; what is noted is in the dictionary yielded, by the objects' ids."""
-    notes: dict[int, set[str]] = {}
-    worn: list[tuple[Any, type]] = []
-    try:
-        for holder in holders.values():
-            cls = type(holder)
-            noting = _noting_class(cls)
-            if noting is None or id(holder) in notes:
-                continue
-            try:
-                object.__setattr__(holder, "__class__", noting)
-            except TypeError:  # a layout __class__ assignment refuses
-                continue
-            worn.append((holder, cls))
-            notes[id(holder)] = set()
-        token = _NOTING.set(_NOTING.get() + (notes,))
-        try:
-            yield notes
-        finally:
-            _NOTING.reset(token)
-    finally:
-        for holder, cls in worn:
-            object.__setattr__(holder, "__class__", cls)
-
-
-def read(holders: Mapping[int, Any], notes: dict[int, set[str]]) -> Reads:
-    """What ``noted`` saw, as ``Reads`` (objects it could not note are left out)."""
-    found = {}
-    for key, holder in holders.items():
-        names = notes.get(id(holder))
-        if names is not None:
-            try:
-                found[key] = (weakref.ref(holder), frozenset(names))
-            except TypeError:  # an object that cannot be weakly referenced: watched whole
-                continue
-    return Reads(MappingProxyType(found))

@@ -59,10 +59,11 @@ class Snapshot:
         return cls([part for part in kept if part is not None], owner, walk.holders)
 
     def narrowed(self, reads: Reads) -> "Snapshot":
-        """The same watch over what the captures read (``reads.py``): an object's attributes no
-        capture read are left out (a request counter updated between calls), private ones read
-        are kept; the objects whose reads were not noted keep their public attributes."""
-        return Snapshot([narrowed(part, reads) for part in self.parts], self.root, self.holders)
+        """The same watch over the names the captures can have read (``reads.py``): an object's
+        attributes no capture's code names are left out (a request counter updated between
+        calls), private ones named are kept."""
+        return Snapshot([narrowed(part, reads, self.holders.get(id(part.container))) for part in self.parts],
+                        self.root, self.holders)
 
     def changed(self) -> list[str]:
         """What differs from the snapshot, in words (empty: nothing a call reads)."""
