@@ -498,3 +498,30 @@ def test_trap_an_axis_one_call_form_keeps_static_stays_dynamic_for_the_others():
             x = torch.randn(2, length, generator=generator)
             torch.testing.assert_close(f(x, False), _features(x, False))
     assert f.recapture_count - before <= 2, f.recapture_reasons  # its first capture, one drift
+
+
+def _keep_seven_tenths(x):
+    return x[:, : int(x.shape[1] * 0.7)]
+
+
+def _ceil_quarter(x):
+    return x[:, : -(-x.shape[1] // 4)]
+
+
+def _area_half(x):
+    return torch.nn.functional.interpolate(x.transpose(1, 2), scale_factor=0.5, mode="area")
+
+
+@pytest.mark.parametrize("fn", [_keep_seven_tenths, _ceil_quarter, _area_half], ids=["int(n*0.7)", "ceil(n/4)", "area"])
+def test_trap_a_size_the_trace_computed_as_a_constant_is_not_served_at_other_sizes(fn):
+    """torch.export baked a size computed in Python floats (``int(n * 0.7)``, interpolate's
+    ``area`` output length) as the number it was at the traced size, and the size arithmetic of
+    ``-(-n // 4)`` as its truncation, with the axis left dynamic: the graph from the drift to 16
+    served every other length wrong (8 too, which the first capture had verified). A dynamic
+    graph is now verified at a second size too (each dynamic axis one shorter) before it serves."""
+    f = cr.compile(fn)
+    with torch.inference_mode():
+        for n in (8, 16, 5, 8, 13, 16, 20, 23, 9):
+            x = torch.randn(2, n, 6)
+            got, want = f(x), fn(x)
+            assert got.shape == want.shape and torch.equal(got, want), (n, got.shape, want.shape)

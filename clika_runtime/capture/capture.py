@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import optree
 import torch
@@ -20,14 +20,15 @@ import torch
 import exporters
 import serving
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, UncapturableError, first_line
+from clika_runtime.base.errors import CaptureError, UncapturableError, VerificationError, first_line
 from clika_runtime.base.precision import FP32, Agreement, refusal
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.base.version import VERSION
 from clika_runtime.capture import fusing, hints, reducing
 from clika_runtime.capture.assembly import Made, assemble
 from clika_runtime.capture.plan import CapturePlan
-from clika_runtime.capture.value import Capture
+from clika_runtime.capture.value import Capture, examples
+from clika_runtime.capture.verify import first_mismatch
 from clika_runtime.format import metadata, treedesc
 from clika_runtime.guards import json_form as guards
 from clika_runtime.guards.conditions import evaluate
@@ -50,10 +51,12 @@ def build(
     output_names: Sequence[str] | None, output_axes: dict[str, dict[int, str | None]], graph_name: str,
     optimize: bool, place: serving.Place, parameters: Sequence[str],
     exporting: Callable[[], ContextManager[Any]] = contextlib.nullcontext, work_dir: str | None = None,
-    precision: str = FP32, agreement: Agreement = Agreement(),
+    precision: str = FP32, agreement: Agreement = Agreement(), elsewhere: bool = False,
 ) -> Capture:
     """Export, write the graph to a folder (under ``work_dir``), open a session and verify.
-    Raises ``CaptureError`` (``VerificationError``) with why.
+    Raises ``CaptureError`` (``VerificationError``) with why. ``elsewhere``: a graph with dynamic
+    axes is verified at a second size too (``second_size``), which runs the target once more
+    (the caller says when that is safe: no state it writes, no hooks that keep what they see).
 
     ``exporting`` is held around the export: the target must not run eagerly meanwhile.
     ``precision``: a reduced one (``int8``, ``fp16``) serves when its graph meets ``agreement``
@@ -61,8 +64,12 @@ def build(
     """
     try:
         with torch.inference_mode(False), torch.no_grad():
-            return _build(plan, eager_out, target, forms, owner, output_names, output_axes, graph_name, optimize,
-                          place, parameters, exporting, work_dir, precision, agreement)
+            capture = _build(plan, eager_out, target, forms, owner, output_names, output_axes, graph_name, optimize,
+                             place, parameters, exporting, work_dir, precision, agreement)
+            if elsewhere and capture.precision is None:
+                second_size(capture, plan, _tracer(plan, target, forms),
+                            output_names_of(eager_out, trees.flatten(eager_out)[0], output_names, plan.call.names))
+            return capture
     except CaptureError:
         raise
     except Exception as e:  # anything else on the way is a capture failure too, never a lost call
@@ -112,6 +119,44 @@ def _build(
                 names, baked, outputs, phases, precision, agreement,
                 None if note is None else f"{precision} not served, fp32 serves instead: {note}")
     return assemble(made, place, optimize, owner, keep_optimized=work_dir is not None)
+
+
+def second_size(capture: Capture, plan: CapturePlan, trace: Callable[..., list[Any]], names: Sequence[str]) -> None:
+    """Raise ``VerificationError`` where the graph disagrees with eager at a second size: each
+    dynamic axis of at least 3 one shorter (which keeps the axes that are one size, or one more
+    than another, so), where the guard accepts it and the target answers. torch.export bakes a
+    size computed in Python floats (``int(n * 0.7)``, interpolate's ``area`` length) as its value
+    at the traced size, leaving the axis dynamic: the one verified size could not show it."""
+    feeds = list(plan.call.feeds)
+    shorter = [_shorter(feed, axes) for feed, axes in zip(feeds, plan.dynamic)]
+    if all(s is f for s, f in zip(shorter, feeds)) or capture.guard.mismatches(examples(shorter)):
+        return
+    try:
+        eager_leaves = trace(*shorter)
+    except Exception:  # the target does not take these sizes: nothing to judge by
+        return
+    try:
+        served = trees.flatten(capture.run(shorter))[0]
+    except Exception as e:
+        raise VerificationError(f"the graph failed at a second size ({_sizes(shorter)}): {first_line(e)}") from e
+    finally:
+        capture.stats.hits = 0  # the verification run served no call
+    problem = first_mismatch(list(names), eager_leaves, served)
+    if problem:
+        raise VerificationError(f"the graph disagrees with eager at a second size ({_sizes(shorter)}): {problem}")
+
+
+def _shorter(feed: Any, axes: Mapping[int, Any]) -> Any:
+    if not isinstance(feed, torch.Tensor):
+        return feed
+    for axis in axes:
+        if feed.shape[axis] >= 3:
+            feed = feed.narrow(axis, 0, feed.shape[axis] - 1)
+    return feed.contiguous()
+
+
+def _sizes(feeds: Sequence[Any]) -> str:
+    return ", ".join(str(tuple(f.shape)) for f in feeds if isinstance(f, torch.Tensor))
 
 
 def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> Callable[..., list[Any]]:

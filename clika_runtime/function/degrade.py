@@ -49,15 +49,17 @@ class Attempt:
     unliftable: frozenset[int]
 
 
-def build(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None = None) -> Attempt:
+def build(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None = None,
+          elsewhere: bool = False) -> Attempt:
     """Capture ``plan`` (its call's eager result is ``out``): from the disk cache when an earlier
     process made it, else by exporting, degrading until it succeeds (then kept in the cache).
-    ``ahead``: the cache lookup started before the eager call. Raises the last ``CaptureError``
-    when nothing is left to give up."""
+    ``ahead``: the cache lookup started before the eager call; ``elsewhere``: a dynamic graph is
+    verified at a second size too (``capture.second_size``; a graph that fails it is exported
+    with those axes static). Raises the last ``CaptureError`` when nothing is left to give up."""
     check_output_axes(target, out, plan)
     watch_registrations()
     with _progress(target, plan) as attempt_of:
-        attempt = _cached_or_exported(target, plan, out, ahead)
+        attempt = _cached_or_exported(target, plan, out, ahead, elsewhere)
         attempt_of.append(attempt)
     return attempt
 
@@ -115,7 +117,8 @@ class _Line:
             self.on = False
 
 
-def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None) -> Attempt:
+def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None,
+                        elsewhere: bool) -> Attempt:
     ready = ahead.ready() if ahead is not None and ahead.plan is plan else None  # the plan the lookup was for
     slot = ready.slot if ready is not None else restore.slot_for(target, plan)
     if slot is not None:
@@ -124,7 +127,7 @@ def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: rest
             capture, used, meta = found
             return Attempt(capture, used, list(meta["notes"]), [tuple(a) for a in meta["static_axes"]],
                            frozenset(meta["unliftable"]))
-    attempt = _exported(target, plan, out, slot.cache.work if slot is not None else None)
+    attempt = _exported(target, plan, out, slot.cache.work if slot is not None else None, elsewhere)
     if attempt.capture.precision_note:  # kept with the entry: a restore serves the same fp32 graph
         attempt.notes.append(attempt.capture.precision_note)
     if slot is not None:
@@ -133,14 +136,14 @@ def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: rest
     return attempt
 
 
-def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Attempt:
+def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewhere: bool) -> Attempt:
     """The degrade ladder over fresh exports."""
     notes = _specialised(target, plan)
     static_axes: list[tuple[str, int]] = []
     unliftable: frozenset[int] = frozenset()
     while True:
         try:
-            return Attempt(_build_once(target, plan, out, work_dir), plan, notes, static_axes, unliftable)
+            return Attempt(_build_once(target, plan, out, work_dir, elsewhere), plan, notes, static_axes, unliftable)
         except UncapturableError:
             raise
         except CaptureError as error:
@@ -180,14 +183,14 @@ def _specialised(target: Target, plan: CapturePlan) -> list[str]:
     ]
 
 
-def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any) -> Capture:
+def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewhere: bool) -> Capture:
     inputs = set(plan.call.names)
     return capture_mod.build(
         plan, out, target=target.fn, forms=target.forms, owner=target.owner, output_names=target.output_names,
         output_axes={n: dict(a) for n, a in target.options.dynamic_axes.items() if n not in inputs},
         graph_name=target.graph_name, optimize=target.optimize, place=target.place_for(plan.call.feeds),
         parameters=target.forms.positional, exporting=TARGETS.exclusive, work_dir=work_dir,
-        precision=target.precision, agreement=target.agreement_now(),
+        precision=target.precision, agreement=target.agreement_now(), elsewhere=elsewhere,
     )
 
 

@@ -182,7 +182,8 @@ class Lifecycle(Fallbacks):
             put_back = before.keeper(written, [held for _, held in hooked])  # what the trace's writes overwrite
         plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
         try:
-            attempt = degrade.build(self.target, plan, out, ahead)
+            # A second size runs the target once more: not where that writes its state or feeds hooks.
+            attempt = degrade.build(self.target, plan, out, ahead, elsewhere=not written and not _hooks(self.target.owner))
         except CaptureError as error:
             why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
                 if written and isinstance(error, VerificationError) else ""
@@ -235,6 +236,15 @@ class Lifecycle(Fallbacks):
         return knowledge if knowledge.learned != table.knowledge.learned else None
 
     # ------------------------------------------------------------------------------- giving up
+
+
+def _hooks(owner: torch.nn.Module | None) -> bool:
+    """Whether a forward hook runs in a call of ``owner`` (its own modules', or torch's global ones)."""
+    from torch.nn.modules import module
+
+    if module._global_forward_hooks or module._global_forward_pre_hooks:
+        return True
+    return owner is not None and any(m._forward_hooks or m._forward_pre_hooks for m in owner.modules())
 
 
 def _covers(new: Capture, old: Capture) -> bool:
