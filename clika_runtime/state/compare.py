@@ -42,8 +42,8 @@ class Part:
     variables: bool = False  # entries are a function's variables ("global 'SCALE'"), not attributes
     per_call: bool = True  # False: compared only when a counter says it may have moved (submodules, hooks)
     trigger: bool = False  # only says that the others must be compared (a count of hooks): never a change
-    hidden: frozenset[str] = frozenset()  # a module's private keys: watched only where a read of them was seen
-    only: frozenset[str] | None = None  # the names captures read (``reads.py``): no other key added is a change
+    hidden: frozenset[str] = frozenset()  # a module's private keys: watched only where the captures' code names them
+    only: frozenset[str] | None = None  # the names the captures' code names (``reads.py``): no other key added is a change
 
 
 def dict_part(name: str, state: dict, keys: list[str], *, sized: bool, whole: bool = False) -> Part:

@@ -1,7 +1,8 @@
 """What a target reads besides tensors, walked once per snapshot into ``Part``s.
 
-Watched: every module of the owner (its public attributes, ``_modules``, forward hooks; the
-children of ``Sequential`` / ``ModuleList`` / ``ModuleDict`` on every call), the globals its
+Watched: every module of the owner (its public attributes, its private ones the captures' code
+names (``reads.py`` narrows every object's attributes to those), ``_modules``, ``_parameters``
+and ``_buffers``, forward hooks; the children of ``Sequential`` / ``ModuleList`` / ``ModuleDict`` on every call), the globals its
 ``forward`` names, objects those attributes hold that carry attributes of their own (configs,
 private attributes included; two levels), torch's global forward hooks and default dtype; for a
 function, its closure cells, defaults, code and the globals its code loads, a partial's
@@ -9,8 +10,8 @@ arguments, a bound or callable object's attributes, what a compiled function fou
 wraps (its model, its function's variables); and the modules found among all those, as
 trees (``modules_reached``: ``weights.py`` watches their tensors); the plain values in the bodies
 of the user's own classes of those modules and objects (``LIMIT = 0.5``: not torch's or
-transformers' classes, whose state is their version's). Not watched: modules' private
-attributes, library classes' attributes, imported modules' attributes, globals of the functions
+transformers' classes, whose state is their version's). Not watched: torch's own private
+entries of a module, library classes' attributes, imported modules' attributes, globals of the functions
 the target calls, loggers and threading objects, grad mode (graphs serve inference; see README).
 """
 
@@ -45,7 +46,7 @@ def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], "_Wa
     """The parts of the state ``fn`` (whose weights ``owner`` holds, if a module) reads now, and
     the walk that found them: the modules it reaches outside its owner's registered tree (see
     ``modules_reached``) and the objects whose attributes it watches (``holders``), private
-    attributes of modules included (as ``hidden``: ``reads.narrowed`` keeps those a call read)."""
+    attributes of modules included (as ``hidden``: ``reads.narrowed`` keeps those the code named)."""
     walk = _Walk()
     parts: list[Part] = []
     if owner is not None:
