@@ -12,7 +12,10 @@ submodule, or a rebound closed-over tensor, that copy is stale. What each of tho
   storage is held, so the old address cannot be reused by a new tensor and read as unchanged;
 - assigning a parameter, buffer or submodule runs torch's global registration hooks, which bump
   one process-wide counter; on a bump, each baked name is looked up again in its module;
-- a closed-over tensor rebound to a new object is seen by comparing the closure cell or global.
+- a closed-over tensor rebound to a new object is seen by comparing the closure cell or global;
+- a tensor written straight into a module's ``_parameters`` / ``_buffers`` (no hook runs:
+  accelerate, ``torch.func.functional_call``) is seen because a module's tensors are read per
+  call through those entries (``Baked.place``).
 
 Inference tensors (made under ``torch.inference_mode()``) keep no version counter: their
 in-place updates cannot be seen (their ``data_ptr`` still is); the capture notes say so.
