@@ -1,9 +1,12 @@
-"""torch dtype <-> ONNX element type."""
+"""torch dtype <-> ONNX element type, and a Python number as a graph value of a tensor's type."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import onnx_ir as ir
 import torch
+from onnxscript.onnx_opset import opset18 as op
 
 TORCH_TO_ONNX: dict[torch.dtype, ir.DataType] = {
     torch.float32: ir.DataType.FLOAT,
@@ -27,3 +30,9 @@ def onnx_dtype(dtype: torch.dtype) -> ir.DataType:
         return TORCH_TO_ONNX[dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} has no ONNX element type") from None
+
+
+def number_like(value: float, x: Any) -> Any:
+    """``value`` as a scalar of ``x``'s element type, rounded once (from a double: a float64
+    graph keeps every digit of ``0.1``, a float32 one gets float32's)."""
+    return op.CastLike(op.Constant(value=ir.tensor(value, dtype=ir.DataType.DOUBLE)), x)

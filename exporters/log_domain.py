@@ -24,15 +24,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from onnxscript import ir
 from onnxscript.onnx_opset import opset18 as op
+
+from exporters.dtypes import number_like
 
 _DYNAMIC_STEPS = 31  # a dynamic axis: shifts up to 2**30, past any length a tensor axis has
 
 
 def log_sigmoid(self: Any) -> Any:
     """``min(x, 0) - log1p(exp(-|x|))``: finite wherever ``x`` is."""
-    return op.Sub(op.Min(self, _like(0.0, self)), _log1p(op.Exp(op.Neg(op.Abs(self)))))
+    return op.Sub(op.Min(self, number_like(0.0, self)), _log1p(op.Exp(op.Neg(op.Abs(self)))))
 
 
 def logaddexp(self: Any, other: Any) -> Any:
@@ -42,7 +43,7 @@ def logaddexp(self: Any, other: Any) -> Any:
 
 def logaddexp2(self: Any, other: Any) -> Any:
     """``max(a, b) + log1p(2 ** -|a - b|) / ln 2``; ``a`` where both are the same infinity."""
-    ln2 = _like(math.log(2.0), self)
+    ln2 = number_like(math.log(2.0), self)
     return _log_add(self, other, op.Exp(op.Mul(op.Neg(op.Abs(op.Sub(self, other))), ln2)), ln2)
 
 
@@ -57,7 +58,7 @@ def logcumsumexp(self: Any, dim: int) -> Any:
     steps = max(1, math.ceil(math.log2(size))) if isinstance(size, int) and size > 1 else \
         0 if isinstance(size, int) else _DYNAMIC_STEPS
     length = op.Shape(self, start=dim, end=dim + 1)
-    lowest = _like(-math.inf, self)
+    lowest = number_like(-math.inf, self)
     total = self
     for k in range(steps):
         pads = [0] * (2 * rank)
@@ -79,11 +80,11 @@ def expm1(self: Any) -> Any:
     """``exp(x) - 1`` to float rounding for tiny ``x`` (Kahan: ``(u - 1) * x / log(u)`` with
     ``u = exp(x)``; ``x`` where ``u`` rounds to 1, -1 where ``u - 1`` does, ``u`` where it is +inf)."""
     u = op.Exp(self)
-    gap = op.Sub(u, _like(1.0, u))
+    gap = op.Sub(u, number_like(1.0, u))
     exact = op.Div(op.Mul(gap, self), op.Log(u))
-    out = op.Where(op.Equal(gap, _like(-1.0, u)), gap, exact)
+    out = op.Where(op.Equal(gap, number_like(-1.0, u)), gap, exact)
     out = op.Where(op.IsInf(u, detect_negative=0), u, out)
-    return op.Where(op.Equal(u, _like(1.0, u)), self, out)
+    return op.Where(op.Equal(u, number_like(1.0, u)), self, out)
 
 
 def _log_add(a: Any, b: Any, ratio: Any, scale: Any) -> Any:
@@ -99,11 +100,7 @@ def _log1p(u: Any) -> Any:
     of 1 + u (ONNX has no Log1p): ``log(w) * u / (w - 1)`` with ``w = 1 + u``, and ``u`` where
     ``w`` rounds to 1 (Goldberg, "What every computer scientist should know about floating-point
     arithmetic", theorem 4)."""
-    one = _like(1.0, u)
+    one = number_like(1.0, u)
     w = op.Add(u, one)
     gap = op.Sub(w, one)
-    return op.Where(op.Equal(gap, _like(0.0, u)), u, op.Mul(op.Log(w), op.Div(u, gap)))
-
-
-def _like(value: float, x: Any) -> Any:
-    return op.CastLike(op.Constant(value=ir.tensor(value, dtype=ir.DataType.DOUBLE)), x)  # rounded once
+    return op.Where(op.Equal(gap, number_like(0.0, u)), u, op.Mul(op.Log(w), op.Div(u, gap)))

@@ -22,6 +22,8 @@ from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import nn
 from onnxscript.onnx_opset import opset18 as op
 
+from exporters.dtypes import number_like
+
 _MEAN, _SUM = 1, 2  # torch's reduction enum (0: none)
 
 
@@ -51,7 +53,7 @@ def _smoothed(scores: Any, target: Any, weight: Any, reduction: int, ignore_inde
     rank = len(scores.shape)
     axis = 1 if rank > 1 else 0
     log_p = op.LogSoftmax(scores, axis=axis)
-    zero = op.CastLike(op.Constant(value_float=0.0), scores)
+    zero = number_like(0.0, scores)
     if weight is not None:
         per_class = op.Reshape(weight, op.Constant(value_ints=[1, -1] + [1] * (rank - 2))) if rank > 1 else weight
         log_p = op.Mul(log_p, per_class)
@@ -66,8 +68,8 @@ def _smoothed(scores: Any, target: Any, weight: Any, reduction: int, ignore_inde
     elif reduction == _SUM:
         smooth = op.ReduceSum(smooth, keepdims=0)
     classes = op.CastLike(op.Shape(scores, start=axis, end=axis + 1), scores)
-    share = op.Div(op.CastLike(op.Constant(value_float=smoothing), scores), op.Squeeze(classes))
-    return op.Add(op.Mul(op.CastLike(op.Constant(value_float=1.0 - smoothing), scores), nll), op.Mul(smooth, share))
+    share = op.Div(number_like(smoothing, scores), op.Squeeze(classes))
+    return op.Add(op.Mul(number_like(1.0 - smoothing, scores), nll), op.Mul(smooth, share))
 
 
 def _cross_entropy_ignoring(scores: Any, target: Any, ignore_index: Any, reduction: int) -> Any:
@@ -78,7 +80,7 @@ def _cross_entropy_ignoring(scores: Any, target: Any, ignore_index: Any, reducti
     one = op.Constant(value_ints=[1])
     picked = op.GatherElements(op.LogSoftmax(scores, axis=1), op.Unsqueeze(op.Where(kept, target, op.CastLike(
         op.Constant(value_int=0), target)), one), axis=1)
-    losses = op.Where(kept, op.Neg(op.Squeeze(picked, one)), op.CastLike(op.Constant(value_float=0.0), scores))
+    losses = op.Where(kept, op.Neg(op.Squeeze(picked, one)), number_like(0.0, scores))
     if reduction == 0:
         return losses
     total = op.ReduceSum(losses, keepdims=0)

@@ -28,6 +28,8 @@ from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core
 from onnxscript.onnx_opset import opset18 as op
 
+from exporters.dtypes import number_like
+
 
 def signbit(self: Any) -> Any:
     """Whether the sign bit is set: also for -0.0, whose reciprocal is -inf."""
@@ -37,7 +39,7 @@ def signbit(self: Any) -> Any:
 
 
 def _negative(x: Any) -> Any:
-    zero = _like(0.0, x)
+    zero = number_like(0.0, x)
     return op.Or(op.Less(x, zero), op.And(op.Equal(x, zero), op.Less(op.Reciprocal(x), zero)))
 
 
@@ -46,15 +48,15 @@ def floor_divide(self: Any, other: Any) -> Any:
     other = _operand(other, self)
     mod = op.Mod(self, other, fmod=1)
     div = op.Div(op.Sub(self, mod), other)
-    div = op.Where(_opposite_signs(mod, other), op.Sub(div, _like(1.0, self)), div)
+    div = op.Where(_opposite_signs(mod, other), op.Sub(div, number_like(1.0, self)), div)
     floored = op.Floor(div)
-    floored = op.Where(op.Greater(op.Sub(div, floored), _like(0.5, self)), op.Add(floored, _like(1.0, self)), floored)
+    floored = op.Where(op.Greater(op.Sub(div, floored), number_like(0.5, self)), op.Add(floored, number_like(1.0, self)), floored)
     quotient = op.Div(self, other)
-    out = op.Where(op.Equal(other, _like(0.0, self)), quotient, floored)
+    out = op.Where(op.Equal(other, number_like(0.0, self)), quotient, floored)
     # A zero takes the quotient's sign (torch's copysign(0, a / b)), by a product: onnxruntime's
     # Where gave +0 for a -0.0 its true branch picked.
-    flip = op.And(op.Equal(out, _like(0.0, self)), _negative(quotient))
-    return op.Mul(out, op.Where(flip, _like(-1.0, self), _like(1.0, self)))
+    flip = op.And(op.Equal(out, number_like(0.0, self)), _negative(quotient))
+    return op.Mul(out, op.Where(flip, number_like(-1.0, self), number_like(1.0, self)))
 
 
 def remainder(self: Any, other: Any) -> Any:
@@ -66,7 +68,7 @@ def remainder(self: Any, other: Any) -> Any:
 
 def _opposite_signs(mod: Any, other: Any) -> Any:
     """``mod != 0 and (other < 0) != (mod < 0)`` (a NaN ``mod`` is not 0, as in C)."""
-    zero = _like(0.0, mod)
+    zero = number_like(0.0, mod)
     return op.And(op.Not(op.Equal(mod, zero)), op.Xor(op.Less(other, zero), op.Less(mod, zero)))
 
 
@@ -75,12 +77,12 @@ def atan2(self: Any, other: Any) -> Any:
     set; ``y / x`` taken as ``y`` where both are zeros (``atan2(+-0, +0) = +-0``, ``atan2(+-0, -0)
     = +-pi``) and as ``sign(y) * sign(x)`` where both are infinite (+-pi/4, +-3pi/4)."""
     y, x = self, _operand(other, self)
-    zero = _like(0.0, y)
+    zero = number_like(0.0, y)
     # Both zeros: y / 1, by the divisor (a Where that picks a -0.0 gives +0 in onnxruntime).
-    ratio = op.Div(y, op.Where(op.And(op.Equal(y, zero), op.Equal(x, zero)), _like(1.0, y), x))
+    ratio = op.Div(y, op.Where(op.And(op.Equal(y, zero), op.Equal(x, zero)), number_like(1.0, y), x))
     infinite = op.And(op.IsInf(y), op.IsInf(x))
     ratio = op.Where(infinite, op.Mul(op.Sign(y), op.Sign(x)), ratio)
-    half_turn = op.Where(_negative(y), _like(-math.pi, y), _like(math.pi, y))
+    half_turn = op.Where(_negative(y), number_like(-math.pi, y), number_like(math.pi, y))
     angle = op.Atan(ratio)
     return op.Where(_negative(x), op.Add(angle, half_turn), angle)
 
@@ -89,7 +91,7 @@ def sign(self: Any) -> Any:
     """-1, 0 or 1; 0 for NaN, as torch's ``(0 < x) - (x < 0)``."""
     if not self.dtype.is_floating_point():
         return core.aten_sign(self)
-    return op.Where(op.IsNaN(self), _like(0.0, self), op.Sign(self))
+    return op.Where(op.IsNaN(self), number_like(0.0, self), op.Sign(self))
 
 
 def heaviside(self: Any, values: Any) -> Any:
@@ -97,14 +99,14 @@ def heaviside(self: Any, values: Any) -> Any:
     if not self.dtype.is_floating_point():
         return core.aten_heaviside(self, values)
     values = _operand(values, self)
-    return op.Where(op.Equal(self, _like(0.0, self)), values, op.CastLike(op.Greater(self, _like(0.0, self)), self))
+    return op.Where(op.Equal(self, number_like(0.0, self)), values, op.CastLike(op.Greater(self, number_like(0.0, self)), self))
 
 
 def angle(self: Any) -> Any:
     """The angle of a real number: pi below 0, else 0; NaN stays NaN."""
     if not self.dtype.is_floating_point():
         return core.aten_angle(self)
-    angle = op.Where(op.Less(self, _like(0.0, self)), _like(math.pi, self), _like(0.0, self))
+    angle = op.Where(op.Less(self, number_like(0.0, self)), number_like(math.pi, self), number_like(0.0, self))
     return op.Where(op.IsNaN(self), self, angle)
 
 
@@ -114,7 +116,3 @@ def _operand(value: Any, like: Any) -> Any:
     if isinstance(value, ir.Value):
         return value if value.dtype == like.dtype else op.CastLike(value, like)
     return op.Constant(value=ir.tensor(np.array(value, dtype=like.dtype.numpy())))
-
-
-def _like(value: float, x: Any) -> Any:
-    return op.CastLike(op.Constant(value_float=value), x)

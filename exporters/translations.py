@@ -66,6 +66,7 @@ from onnxscript.function_libs.torch_lib.ops import core, nn, prims
 from onnxscript.onnx_opset import opset18 as op
 
 from exporters import integer_power, log_domain, losses, scalars, signs
+from exporters.dtypes import number_like
 
 
 def scaled_dot_product_attention(
@@ -146,7 +147,7 @@ def index_add(self: Any, dim: int, index: Any, source: Any, alpha: float = 1) ->
     """``self`` with ``alpha * source`` added at ``index`` along ``dim`` (torchlib has none:
     torch's decomposition into ``index_put`` took a negative index from the end)."""
     if alpha != 1:
-        source = op.Mul(source, op.CastLike(op.Constant(value_float=float(alpha)), source))
+        source = op.Mul(source, number_like(float(alpha), source))
     return _scattered_along(self, dim, index, source, "add")
 
 

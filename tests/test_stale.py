@@ -132,17 +132,18 @@ def test_trap_a_compiled_function_calling_another_sees_its_models_changes(change
     def outer(x):
         return inner(x) * 2 + 1
 
-    _recaptured_once(cr.compile(outer), outer, lambda: _NESTED_CHANGES[change](model), torch.randn(3, 4))
+    f = cr.compile(outer)
+    for got, want in _after_a_change(f, outer, lambda: _NESTED_CHANGES[change](model), torch.randn(3, 4)):
+        torch.testing.assert_close(got, want)
+    assert f.recapture_count == 1, f.recapture_reasons
 
 
-def _recaptured_once(f: cr.CompiledFunction, eager, change, x) -> None:
-    """``f(x)`` captured and served; after ``change()``, served as ``eager(x)`` by one re-capture."""
+def _after_a_change(f: cr.CompiledFunction, eager, change, x) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``f(x)`` captured and served, then ``change()``: two calls' (``f(x)``, ``eager(x)``) pairs."""
     with torch.no_grad():
         f(x), f(x)
         change()
-        for _ in range(2):
-            torch.testing.assert_close(f(x), eager(x))
-    assert f.recapture_count == 1, f.recapture_reasons
+        return [(f(x), eager(x)) for _ in range(2)]
 
 
 def test_an_unrelated_registration_keeps_the_graph():
@@ -194,7 +195,10 @@ def test_trap_a_parameter_or_buffer_slot_changed_after_capture_is_seen(change):
     runs for that)."""
     torch.manual_seed(0)
     model = _Slots().eval()
-    _recaptured_once(cr.compile(model), model, lambda: _SLOT_CHANGES[change](model), torch.randint(0, 6, (2, 5)))
+    f = cr.compile(model)
+    for got, want in _after_a_change(f, model, lambda: _SLOT_CHANGES[change](model), torch.randint(0, 6, (2, 5))):
+        torch.testing.assert_close(got, want)
+    assert f.recapture_count == 1 and f.captures[0].hits == 1, f.recapture_reasons  # re-captured, then served
 
 
 def test_trap_functional_call_through_a_compiled_forward_uses_the_parameters_passed():

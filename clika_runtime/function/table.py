@@ -50,7 +50,7 @@ class CacheTable:
     order; ``flat`` is the flat hit of the newest capture; ``watch`` checks the baked weights;
     ``snapshot`` the Python state the captures read (attributes, hooks, globals), but
     ``written``, what the target's own calls write (``self.last_batch = ...``), and of its
-    objects' attributes only those a capture's run read (``reads``: not the caller's bookkeeping);
+    objects' attributes only those the captures' code names (``reads``: not the caller's bookkeeping);
     ``fresh`` is the per-call check of both, and that the call is plain (no autocast, mode or
     trace: ``snapshot.plain_call``; one attribute away from a call);
     ``pending`` is the reason the next capture will give (a graph dropped, weights changed), and
@@ -71,7 +71,7 @@ class CacheTable:
     watch: Watch = field(default_factory=lambda: Watch(()))
     snapshot: Snapshot = field(default_factory=lambda: Snapshot([]))
     written: frozenset[tuple[str, str]] = frozenset()  # state the target writes itself: not watched
-    reads: Reads = field(default_factory=Reads)  # what the captures' runs read of the target's objects
+    reads: Reads = field(default_factory=Reads)  # the attribute names the captures' code names
     fresh: Callable[[], bool] = field(default=lambda: True)
     knowledge: Knowledge = field(default_factory=Knowledge)
     recaptures: int = 0
