@@ -10,15 +10,25 @@ import inspect
 import linecache
 import math
 import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import onnx_ir as ir
 import torch
 from torch.export import Dim
 
 from exporters import conditions as conds
-from exporters import exact_rewrites, fast_paths, fusion, graph_edits, nan_guard, translations, transposes
+from exporters import (
+    exact_rewrites,
+    fast_paths,
+    fusion,
+    graph_edits,
+    nan_guard,
+    sizes,
+    translations,
+    transposes,
+)
 from exporters.dtypes import onnx_dtype
 from exporters.quiet import quiet
 
@@ -124,15 +134,20 @@ def _onnx_program(
     exact_rewrites.exact()
     cached = _exporter_with_registry()
     if cached is None:
-        return torch.onnx.export(
+        program = torch.onnx.export(
             flat, examples, dynamo=True, input_names=input_names, dynamic_shapes=dynamic_shapes,
-            optimize=optimize, verbose=False, custom_translation_table=translations.TABLE,
+            optimize=False, verbose=False, custom_translation_table=translations.TABLE,
         )
-    export, registry, opset = cached
-    return export(
-        flat, examples, None, registry=registry, dynamic_shapes=dynamic_shapes, input_names=input_names,
-        verbose=False, optimize=optimize, opset_version=opset,
-    )
+    else:
+        export, registry, opset = cached
+        program = export(
+            flat, examples, None, registry=registry, dynamic_shapes=dynamic_shapes, input_names=input_names,
+            verbose=False, optimize=False, opset_version=opset,
+        )
+    sizes.as_doubles(program.model.graph)  # before anything reads the types the exporter declared
+    if optimize:
+        program.optimize()
+    return program
 
 
 @functools.cache

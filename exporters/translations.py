@@ -32,18 +32,9 @@ divisor: the call then runs eagerly and raises torch's error); floor is torchlib
 ``floor_divide``. A divisor of -1 negates instead (``//`` too): onnxruntime's Div traps on the lowest
 integer divided by -1 and the process died, where torch wraps.
 
-Nearest resizes (``upsample_nearest{1,2,3}d.vec``, ``_upsample_nearest_exact{1,2,3}d.vec``):
-torch's source index is ``min(floor((i + offset) * scale), in - 1)`` in float32 with
-``scale = float(1.0 / scale_factor)`` (divided in double; ``float(in) / out`` for ``size=``) and
-the output size ``floor(double(in) * scale_factor)`` (aten/src/ATen/native/UpSample.h). torchlib's
-Resize divides ``i`` by the float32 scale factor instead, and nearest-exact was decomposed into
-float32 arithmetic of ``in / (in * scale_factor)``: both land on the other side of an integer at
-some sizes only (nearest-exact at 0.7: sizes 7, 14, 23, 28; nearest at 2.3: 31 and up), which the
-one verified size cannot show. Ours computes torch's index and gathers along each axis
-(scripts/size_sweep.py checks them and the other index arithmetic at every size of a range).
-
-Signs, and float floor division and remainder, are in ``signs.py``; Python numbers in float64
-and half-precision graphs (``x * 0.1``, ``x / 65535.0``) in ``scalars.py``; integer powers in
+Resizes (nearest, and linear or cubic by a scale factor) are in ``upsampling.py``; Python
+numbers computed from sizes (``int(n * 0.7)``) in ``sizes.py``. Signs, and float floor division
+and remainder, are in ``signs.py``; Python numbers in float64 and half-precision graphs (``x * 0.1``, ``x / 65535.0``) in ``scalars.py``; integer powers in
 ``integer_power.py``. The log-domain ops (``log_sigmoid``, which
 ``binary_cross_entropy_with_logits`` decomposes into, ``logaddexp``, ``logaddexp2``,
 ``logcumsumexp``) are in ``log_domain.py``.
@@ -59,13 +50,12 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core, nn, prims
 from onnxscript.onnx_opset import opset18 as op
 
-from exporters import integer_power, log_domain, losses, scalars, signs
+from exporters import integer_power, log_domain, losses, scalars, signs, sizes, upsampling
 from exporters.dtypes import number_like
 
 
@@ -327,50 +317,6 @@ def _integer_division(self: Any, other: Any, divide: Callable[[Any, Any], Any]) 
     return op.Where(flips, op.Neg(self), divide(self, divisor))
 
 
-def _upsample_nearest(exact: bool) -> Callable[..., Any]:
-    """``upsample_nearest{1,2,3}d.vec`` (``exact``: ``_upsample_nearest_exact*.vec``) with torch's
-    source index: one Gather per spatial axis."""
-    def upsample(input: Any, output_size: Sequence[Any] | None = None,
-                 scale_factors: Sequence[float] | None = None) -> Any:
-        spatial = len(input.shape) - 2
-        out = input
-        for d in range(spatial):
-            scale = None if scale_factors is None else scale_factors[d]
-            size = None if output_size is None else output_size[d]
-            out = op.Gather(out, _nearest_index(input, 2 + d, size, scale, exact), axis=2 + d)
-        return out
-    return upsample
-
-
-def _nearest_index(input: Any, axis: int, size: Any, scale_factor: float | None, exact: bool) -> Any:
-    """The input index of each output position along ``axis``, as aten/src/ATen/native/UpSample.h
-    computes it: ``min(floor((i + offset) * scale), in - 1)`` in float32, where ``scale`` is
-    ``float(1.0 / scale_factor)`` (divided in double) when a scale factor is given, else
-    ``float(in) / out``; the output size is ``floor(double(in) * scale_factor)``. ONNX's Resize
-    divides ``i`` by the scale factor in float32 instead, which lands on the other side of an
-    integer at some sizes. Plain nearest keeps torch's shortcuts for ``out == in`` and
-    ``out == 2 * in``."""
-    length = op.Squeeze(op.Shape(input, start=axis, end=axis + 1))
-    if scale_factor is not None:
-        factor = op.Constant(value=ir.tensor(scale_factor, dtype=ir.DataType.DOUBLE))
-        out = op.Cast(op.Floor(op.Mul(op.Cast(length, to=ir.DataType.DOUBLE), factor)), to=ir.DataType.INT64)
-        scale = op.Constant(value_float=float(np.float32(1.0 / scale_factor)))
-    else:
-        out = op.Cast(size, to=ir.DataType.INT64) if isinstance(size, ir.Value) else op.Constant(value_int=size)
-        scale = op.Div(op.Cast(length, to=ir.DataType.FLOAT), op.Cast(out, to=ir.DataType.FLOAT))
-    positions = op.Range(op.Constant(value_int=0), out, op.Constant(value_int=1))
-    source = op.Cast(positions, to=ir.DataType.FLOAT)
-    if exact:
-        source = op.Add(source, op.Constant(value_float=0.5))
-    last = op.Sub(length, op.Constant(value_int=1))
-    index = op.Min(op.Cast(op.Floor(op.Mul(source, scale)), to=ir.DataType.INT64), last)
-    if exact:
-        return index
-    halves = op.Div(positions, op.Constant(value_int=2))
-    doubled = op.Equal(out, op.Mul(length, op.Constant(value_int=2)))
-    return op.Where(op.Equal(out, length), positions, op.Where(doubled, halves, index))
-
-
 def adaptive_avg_pool2d(self: Any, output_size: Sequence[int]) -> Any:
     """torch's windows, ``floor(o * in / out)`` to ``ceil((o + 1) * in / out)``, averaged as one
     matrix product per axis: the decomposition unrolled the window to the length it had at the
@@ -395,7 +341,7 @@ def _window_weights(x: Any, axis: int, out: int) -> Any:
     return op.CastLike(weights, x)
 
 
-def clamp(self: Any, min: float | None = None, max: float | None = None) -> Any:  # noqa: A002 (torch's names)
+def clamp(self: Any, min: float | None = None, max: float | None = None) -> Any:
     """torchlib's Clip; with one bound, the other side's infinity kept (below)."""
     out = core.aten_clamp(self, min, max)
     if (min is None) == (max is None):
@@ -458,6 +404,7 @@ def _nan_when_empty(x: Any, dims: Any, out: Any) -> Any:
 
 
 TABLE: dict[Any, Callable[..., Any]] = {
+    **sizes.TABLE,
     torch.ops.aten.log_sigmoid.default: log_domain.log_sigmoid,
     torch.ops.aten.logaddexp.default: log_domain.logaddexp,
     torch.ops.aten.logaddexp2.default: log_domain.logaddexp2,
@@ -511,6 +458,5 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.nll_loss.default: losses.nll_loss,
     torch.ops.aten.cross_entropy_loss.default: losses.cross_entropy_loss,
     torch.ops.aten._adaptive_avg_pool2d.default: adaptive_avg_pool2d,
-    **{getattr(torch.ops.aten, f"upsample_nearest{n}d").vec: _upsample_nearest(exact=False) for n in (1, 2, 3)},
-    **{getattr(torch.ops.aten, f"_upsample_nearest_exact{n}d").vec: _upsample_nearest(exact=True) for n in (1, 2, 3)},
+    **upsampling.TABLE,
 }

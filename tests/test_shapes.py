@@ -525,3 +525,52 @@ def test_trap_a_size_the_trace_computed_as_a_constant_is_not_served_at_other_siz
             x = torch.randn(2, n, 6)
             got, want = f(x), fn(x)
             assert got.shape == want.shape and torch.equal(got, want), (n, got.shape, want.shape)
+
+
+def _linear_halved(x):
+    return torch.nn.functional.interpolate(x, scale_factor=0.5, mode="linear", align_corners=True)
+
+
+def test_trap_a_graph_that_fails_at_one_size_keeps_serving_the_others_and_its_replacement_is_verified():
+    """A dynamic graph verified at 8 and 16 failed in onnxruntime at length 2 (output length 1:
+    a GatherND index past the end). It was dropped, and the graph re-captured from the length-2
+    call (an axis of 2 had no second size to be verified at) served every other length wrong:
+    each output was ``x[..., 0]``, 5.2 off, at the lengths the first graph had verified too."""
+    f = cr.compile(_linear_halved)
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for n in (8, 16, 2, 3, 5, 8, 16, 23, 2, 40, 2, 9):
+            x = torch.randn(1, 2, n, generator=generator)
+            got, want = f(x), _linear_halved(x)
+            assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6), (n, (got - want).abs().max())
+    assert f.recapture_count <= 3, f.recapture_reasons  # the drift, the length-2 graph beside, once each
+
+
+def test_trap_a_dynamic_graph_first_captured_at_length_two_is_verified_at_another_length():
+    """The same graph captured first from a length-2 call, with the axis declared dynamic: one
+    verified size, none shorter to check, and every other length served wrong."""
+    f = cr.compile(_linear_halved, dynamic_axes={"x": {2: "length"}})
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for n in (2, 3, 8, 2, 17):
+            x = torch.randn(1, 2, n, generator=generator)
+            got, want = f(x), _linear_halved(x)
+            assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6), (n, (got - want).abs().max())
+
+
+def _ceil_quarter_zeros(x):
+    return x.new_zeros(-(-x.shape[-1] // 4)) + x.sum()
+
+
+def test_size_arithmetic_the_graph_computes_is_pythons_floor_division():
+    """``-(-n // 4)`` (a ceiling) on a declared dynamic axis: the exporter divided the sizes toward
+    zero, one short for every length not a multiple of 4, so the graph was refused and every call
+    ran eagerly. Sizes are now divided as Python divides them, and the graph serves every length."""
+    f = cr.compile(_ceil_quarter_zeros, dynamic_axes={"x": {1: "n"}})
+    with torch.inference_mode():
+        for n in (8, 16, 5, 9, 13, 30, 101):
+            x = torch.randn(2, n)
+            got, want = f(x), _ceil_quarter_zeros(x)
+            assert got.shape == want.shape and torch.allclose(got, want), (n, got.shape, want.shape)
+    assert f.state is cr.CompiledFunction.State.Compiled, f.fallback_reason
+    assert sum(c.hits for c in f.captures) >= 6

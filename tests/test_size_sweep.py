@@ -59,6 +59,23 @@ def test_ops_that_were_served_wrong_agree_at_every_size(name):
     _assert_served_right(name)
 
 
+# Lengths where ``length * scale`` is just below an integer in double and not in float32, or the
+# other way round: the graph's output was one longer (shorter) than eager's, whose length is
+# computed in double.
+WIDE = (20, 33, 50, 90, 100, 170, 180, 330)
+WIDE_FIXED = [f"{mode} wide scale {scale} align_corners={corners}"
+              for mode in ("linear", "bilinear", "bicubic", "trilinear") for scale in (0.7, 2.3) for corners in (False, True)]
+WIDE_FIXED += ["bilinear wide scale 0.65 align_corners=False", "bicubic wide scale 0.65 align_corners=True"]
+
+
+@pytest.mark.parametrize("name", WIDE_FIXED)
+def test_resizes_by_a_scale_factor_are_as_long_as_eager_at_long_lengths(name):
+    result = sweep.sweep(_CASES[name], WIDE)
+    assert not result.error, result.error
+    assert not result.wrong, f"{name}: the graph answered other than eager at lengths {list(result.wrong)}"
+    assert not result.eager, f"{name}: lengths {list(result.eager)} ran eagerly, not through the graph"
+
+
 @pytest.mark.parametrize("name", RIGHT)
 def test_ops_agree_at_every_size(name):
     _assert_served_right(name)

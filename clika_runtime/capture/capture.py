@@ -122,37 +122,54 @@ def _build(
 
 
 def second_size(capture: Capture, plan: CapturePlan, trace: Callable[..., list[Any]], names: Sequence[str]) -> None:
-    """Raise ``VerificationError`` where the graph disagrees with eager at a second size: each
-    dynamic axis of at least 3 one shorter (which keeps the axes that are one size, or one more
-    than another, so), where the guard accepts it and the target answers. torch.export bakes a
-    size computed in Python floats (``int(n * 0.7)``, interpolate's ``area`` length) as its value
+    """Raise ``VerificationError`` where the graph disagrees with eager at a second size, where
+    the guard accepts it and the target answers: each dynamic axis of at least 3 one shorter, or
+    longer where one is 2 (``_elsewhere``). torch.export bakes a size computed in Python
+    floats (``int(n * 0.7)``, interpolate's ``area`` length, an output of length 1) as its value
     at the traced size, leaving the axis dynamic: the one verified size could not show it."""
     feeds = list(plan.call.feeds)
-    shorter = [_shorter(feed, axes) for feed, axes in zip(feeds, plan.dynamic)]
-    if all(s is f for s, f in zip(shorter, feeds)) or capture.guard.mismatches(examples(shorter)):
+    other = _elsewhere(feeds, plan.dynamic)
+    if all(s is f for s, f in zip(other, feeds)) or capture.guard.mismatches(examples(other)):
         return
     try:
-        eager_leaves = trace(*shorter)
+        eager_leaves = trace(*other)
     except Exception:  # the target does not take these sizes: nothing to judge by
         return
     try:
-        served = trees.flatten(capture.run(shorter))[0]
+        served = trees.flatten(capture.run(other))[0]
     except Exception as e:
-        raise VerificationError(f"the graph failed at a second size ({_sizes(shorter)}): {first_line(e)}") from e
+        raise VerificationError(f"the graph failed at a second size ({_sizes(other)}): {first_line(e)}") from e
     finally:
         capture.stats.hits = 0  # the verification run served no call
     problem = first_mismatch(list(names), eager_leaves, served)
     if problem:
-        raise VerificationError(f"the graph disagrees with eager at a second size ({_sizes(shorter)}): {problem}")
+        raise VerificationError(f"the graph disagrees with eager at a second size ({_sizes(other)}): {problem}")
 
 
-def _shorter(feed: Any, axes: Mapping[int, Any]) -> Any:
-    if not isinstance(feed, torch.Tensor):
-        return feed
+_LONGER = 3
+
+
+def _elsewhere(feeds: Sequence[Any], dynamic: Sequence[Mapping[int, Any]]) -> list[Any]:
+    """The feeds with every dynamic axis of at least 3 one shorter, or, where one of them is 2
+    (shorter is a size the trace assumes away), every one of at least 2 three longer, its last
+    slice repeated (at 3, an output of length 1 and its edge cases would still look alike). One
+    step the same way for all keeps the axes that are one size, or one more than another, so."""
+    sizes = [feed.shape[axis] for feed, axes in zip(feeds, dynamic) if isinstance(feed, torch.Tensor) for axis in axes]
+    step = _LONGER if 2 in sizes else -1
+    return [_stepped(feed, axes, step) if isinstance(feed, torch.Tensor) else feed for feed, axes in zip(feeds, dynamic)]
+
+
+def _stepped(feed: torch.Tensor, axes: Mapping[int, Any], step: int) -> torch.Tensor:
+    stepped = feed
     for axis in axes:
-        if feed.shape[axis] >= 3:
-            feed = feed.narrow(axis, 0, feed.shape[axis] - 1)
-    return feed.contiguous()
+        size = feed.shape[axis]
+        if size < 2:
+            continue
+        if step < 0:
+            stepped = stepped.narrow(axis, 0, size - 1)
+        else:
+            stepped = torch.cat([stepped] + [stepped.narrow(axis, size - 1, 1)] * step, axis)
+    return stepped if stepped is feed else stepped.contiguous()
 
 
 def _sizes(feeds: Sequence[Any]) -> str:
@@ -277,7 +294,13 @@ def _guard(plan: CapturePlan, exported: exporters.ExportedGraph, feeds: list[Any
             rules.append(InputRule(name, dtype_name(value.dtype), tuple(dims)))
         else:
             rules.append(InputRule(name, "int64", None, exported.number_ranges.get(i, (None, None))))
-    ranges = tuple((n, lo, hi) for n, (lo, hi) in exported.dim_ranges.items() if lo > 0 or hi is not None)
+    bounded = dict(exported.dim_ranges)
+    for index, axis, lo, hi in plan.bounds:
+        dim = rules[index].shape[axis] if rules[index].shape is not None else None
+        if isinstance(dim, str):
+            was_lo, was_hi = bounded.get(dim, (0, None))
+            bounded[dim] = (max(lo, was_lo), hi if was_hi is None else was_hi if hi is None else min(hi, was_hi))
+    ranges = tuple((n, lo, hi) for n, (lo, hi) in bounded.items() if lo > 0 or hi is not None)
     dims = [r.shape for r in rules]
     conditions = tuple((tree, evaluate(tree, feeds)) for tree in exported.conditions if not _settled(tree, dims))
     device = next((str(t.device) for t in feeds if isinstance(t, torch.Tensor)), "cpu")

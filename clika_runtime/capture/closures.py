@@ -59,11 +59,11 @@ _CONSTANTS = (type(None), bool, int, str)
 
 
 class RunFailed(Exception):
-    """A graph failed on inputs its guard accepted."""
+    """A graph failed on inputs its guard accepted (``feeds``, as fed to it)."""
 
-    def __init__(self, capture: Any, error: Exception) -> None:
+    def __init__(self, capture: Any, error: Exception, feeds: Sequence[Any]) -> None:
         super().__init__(str(error))
-        self.capture, self.error = capture, error
+        self.capture, self.error, self.feeds = capture, error, feeds
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,9 @@ class CapturePlan:
     untied: frozenset[frozenset[tuple[str, int]]] = frozenset()
     spends: bool = True  # counts against config.recapture_limit (see CacheTable.spent)
     point: Any = None  # a variant's sizes (a guards.Verified) beside the graph it is traced for: what a failure refuses
+    # A variant's (feed index, axis, lowest, highest) sizes: where the graph it is beside refuses
+    # them, so that it never serves sizes that one serves, at which it was not verified.
+    bounds: tuple[tuple[int, int, int, int | None], ...] = ()
     ties: tuple[tuple[tuple[int, int], ...], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:

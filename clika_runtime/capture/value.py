@@ -4,7 +4,7 @@ when a later capture may supersede it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -60,6 +60,15 @@ class Capture:
 
     def __repr__(self) -> str:
         return f"<Capture {', '.join(map(str, self.guard.inputs))}>"
+
+    def refusing(self, feeds: Sequence[Any]) -> "Capture | None":
+        """This capture, its guard refusing the sizes of ``feeds`` and past them (``Guard.refusing``):
+        the graph failed there. ``None`` where they are the sizes it was made at."""
+        guard = self.guard.refusing(feeds)
+        if guard is None:
+            return None
+        run, flat = closures.closures(self.parts, guard, self.key, self.positions, self.stats)
+        return replace(self, guard=guard, run=run, flat=flat)
 
     def graph(self) -> graph_mod.ModelGraph:
         """The capture's graph to hand out: a copy, carrying its guard. At reduced precision, the graph that serves,

@@ -39,7 +39,7 @@ def general(table: "CacheTable", args: tuple, kwargs: dict, with_shapes: bool, o
             except Eagerly:  # answered by the target: not the graph's failure
                 raise
             except Exception as error:
-                raise RunFailed(capture, error) from error
+                raise RunFailed(capture, error, feeds) from error
             finish = capture.finish  # a KV cache the call passed, updated in place (kvcache.writeback)
             return out if finish is None else finish(out, args, kwargs)
     return MISS

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiatin
 from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, decide, learned, planned,
 )
-from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, with_capture, without
+from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, swapped, with_capture, without
 from clika_runtime.state import reads, weights
 from clika_runtime.state.snapshot import Snapshot, hook_containers
 from clika_runtime.trees import kvcache
@@ -85,14 +85,23 @@ class Lifecycle(Fallbacks):
                 self._inflight.discard(token)
 
     def run_failed(self, failed: RunFailed, args: tuple, kwargs: dict) -> Any:
-        """A graph failed on inputs its guard accepted: drop it, serve this call as a miss (which
-        re-captures from it); when the target raises on them too, the graph is kept."""
+        """A graph failed on inputs its guard accepted: serve this call as a miss. At sizes other
+        than its own, the graph keeps serving the sizes on its side of them, verified there, and
+        the miss traces a variant beside it; at its own sizes (values failed it) it is dropped and
+        the miss re-captures from these inputs. When the target raises on them too, the graph is
+        kept as it was."""
         if TARGETS.exclusive_here():  # fake tensors of an export in this thread, not a failure
             return self.target.fn(*args, **kwargs)
         with self.lock:
-            why = f"the graph failed on these inputs ({first_line(failed.error)}); re-captured from them"
             kept = self.table
-            dropped = self.table = without(kept, [failed.capture], pending=why, spends=True)
+            narrowed = failed.capture.refusing(failed.feeds)
+            if narrowed is not None:
+                note = (f"the graph failed at {_shapes(failed.feeds)} ({first_line(failed.error)}): its guard refuses "
+                        "those sizes and any past them, which get a graph of their own beside it")
+                dropped = self.table = swapped(kept, failed.capture, narrowed, note)
+            else:
+                why = f"the graph failed on these inputs ({first_line(failed.error)}); re-captured from them"
+                dropped = self.table = without(kept, [failed.capture], pending=why, spends=True)
         try:
             return self.miss(args, kwargs)
         except BaseException as error:
@@ -158,7 +167,7 @@ class Lifecycle(Fallbacks):
         except Eagerly as eagerly:
             return self.eagerly(eagerly, args, kwargs)
         except Exception as error:
-            return self.run_failed(RunFailed(capture, error), args, kwargs)
+            return self.run_failed(RunFailed(capture, error, call.feeds), args, kwargs)
         return out if capture.finish is None else capture.finish(out, *call.canonical)  # a KV cache written back
 
     # ------------------------------------------------------------------------------ capturing
@@ -236,6 +245,10 @@ class Lifecycle(Fallbacks):
         return knowledge if knowledge.learned != table.knowledge.learned else None
 
     # ------------------------------------------------------------------------------- giving up
+
+
+def _shapes(feeds: Sequence[Any]) -> str:
+    return ", ".join(str(tuple(feed.shape)) for feed in feeds if hasattr(feed, "shape"))
 
 
 def _hooks(owner: torch.nn.Module | None) -> bool:

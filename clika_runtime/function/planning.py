@@ -122,7 +122,8 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
         if (call.key, point) in table.refused:
             return Eager()  # its variant failed: said when it did
         plan = CapturePlan(call, capture.dynamic, declared, _words(problems, pinned), variant=True,
-                           untied=table.knowledge.untied, spends=not _small_sizes(problems), point=point)
+                           untied=table.knowledge.untied, spends=not _small_sizes(problems), point=point,
+                           bounds=_outside(found, call))
         return _budgeted(table, plan)
     capture, problems = min(found, key=lambda pair: (sum(p.kind != "size" for p in pair[1]),
                                                      sum(p.kind == "size" for p in pair[1])))
@@ -136,6 +137,20 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
                        untied=untied)
     return _budgeted(table, plan)
+
+
+def _outside(found: Sequence[tuple["Capture", Sequence[Any]]], call: Call) -> tuple[tuple[int, int, int, int | None], ...]:
+    """A variant's bounds (``CapturePlan.bounds``): on each axis whose size lies outside the
+    range of a graph of its key, the sizes on that side of the range (of every such graph)."""
+    bounds = []
+    for capture, problems in found:
+        for p in problems:
+            if p.kind != "range":
+                continue
+            index = call.names.index(p.input)
+            lo, hi = capture.guard.bounds(capture.guard.inputs[index].shape[p.axis])
+            bounds.append((index, p.axis, 0, lo - 1) if p.got < lo else (index, p.axis, hi + 1, None))
+    return tuple(bounds)
 
 
 def _words(problems: Sequence[Any], pinned: bool = False) -> str:

@@ -157,6 +157,13 @@ def without(table: CacheTable, dropped: Sequence["Capture"], pending: str | None
     return _rebuilt(table, entries, flat=flat, pending=pending, pending_spends=spends)
 
 
+def swapped(table: CacheTable, old: "Capture", new: "Capture", note: str) -> CacheTable:
+    """``table`` with ``new`` in ``old``'s place (a guard that refuses more), and ``note`` said."""
+    entries = {k: tuple(new if c is old else c for c in v) for k, v in table.entries.items()}
+    flat = new.flat if table.flat is old.flat else table.flat
+    return _rebuilt(table, entries, flat=flat, notes=table.notes + (note,))
+
+
 def rewatched(table: CacheTable, snapshot: Snapshot | None = None) -> CacheTable:
     """``table`` with a new weights watch (after a registration that changed nothing baked), and
     ``snapshot`` when given (after a change of state no capture read)."""

@@ -173,6 +173,25 @@ class Guard:
             return None
         return Verified(tuple(sorted((d, sizes[d]) for d in involved)), outcomes)
 
+    def refusing(self, feeds: Sequence[Any]) -> "Guard | None":
+        """This guard with the range of each dim whose size in ``feeds`` differs from the
+        example's cut short of that size, on the example's side (the graph failed there, and
+        nothing is known past it); ``None`` when every size is the example's (then the values
+        failed it, not the sizes)."""
+        example = dict(self.example)
+        ranges = dict((name, (lo, hi)) for name, lo, hi in self.ranges)
+        moved = False
+        for dim, size in self._sizes(feeds).items():
+            at = example.get(dim)
+            if dim.startswith(NUMBER_PREFIX) or at is None or at == size:
+                continue
+            lo, hi = ranges.get(dim, (0, None))
+            ranges[dim] = (max(lo, size + 1), hi) if size < at else (lo, size - 1 if hi is None else min(hi, size - 1))
+            moved = True
+        if not moved:
+            return None
+        return replace(self, ranges=tuple((name, lo, hi) for name, (lo, hi) in ranges.items()))
+
     def with_example(self, feeds: Sequence[Any]) -> "Guard":
         """This guard, recording the sizes of ``feeds`` as the capture's example."""
         return replace(self, example=tuple(self._sizes(feeds).items()))
