@@ -101,3 +101,28 @@ def test_the_targets_own_exception_raised_while_re_capturing_after_a_graph_failu
         warnings.simplefilter("always")
         f(x, torch.tensor([[1, 4]]))
     assert not [w for w in caught if "bug in clika_runtime" in str(w.message)] and not f.eager_keys
+
+
+def test_trap_warnings_made_errors_raise_as_themselves_and_change_nothing():
+    """Under ``python -W error`` (pytest's ``filterwarnings = error``) a note said during a capture
+    (forward hooks that keep what they see) raised from the middle of it: the library took it for
+    its own failure, refused the key for good ("this is a bug in clika_runtime") and every later
+    call ran eagerly. The note now raises from the call once the capture is done, as itself."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    kept = []
+    model[0].register_forward_hook(lambda module, args, out: kept.append(out))
+    f = cr.compile(model)
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="grad mode is on") as raised:
+            f(x)  # a call that stays eager: said, raised as it is
+        assert BUG not in str(raised.value)
+        with torch.no_grad(), pytest.raises(UserWarning, match="forward hooks on '0'") as raised:
+            f(x)
+        assert BUG not in str(raised.value)
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(f(x), model(x))
+    assert f.eager_keys == {} and f.state is cr.CompiledFunction.State.Compiled
+    assert sum(c.hits for c in f.captures) == 3

@@ -25,12 +25,12 @@ import logging
 import os
 import shutil
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from clika_runtime.base.config import config
+from clika_runtime.base.saying import say
 
 logger = logging.getLogger("clika_runtime")
 
@@ -212,7 +212,7 @@ def refuse(root: Path, error: BaseException) -> None:
 def _say_once(topic: tuple[str, Path], message: str) -> None:
     if topic not in _said:
         _said.add(topic)
-        warnings.warn(message, stacklevel=4)
+        say(message, 4)  # held where warnings are errors: raised by the call once its work is done
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -15,12 +15,12 @@ import os
 import sys
 import threading
 import traceback
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from clika_runtime.base.errors import CaptureError, ClikaError, first_line
 from clika_runtime.base.precision import FP32
+from clika_runtime.base.saying import raise_held, say
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.capture.plan import Call
 from clika_runtime.capture.target import Target, target_raised
@@ -54,13 +54,15 @@ class Fallbacks:
             return self.target.eager(args, kwargs)
         progress = Progress()
         try:
-            return self._miss(args, kwargs, progress)
+            out = self._miss(args, kwargs, progress)
         except Exception as error:
             if target_raised(error) or isinstance(error, ClikaError):  # a signature error, fullgraph's refusal
                 raise
             doing = "capturing this call" if progress.ran else "planning this call"
             result = (lambda: progress.out) if progress.ran else (lambda: self.target.eager(args, kwargs))
             return self.internal_error(error, doing, result, progress.call)
+        raise_held()  # a warning the caller made an error (-W error), said on the way
+        return out
 
     def internal_error(self, error: Exception, doing: str, result: Callable[[], Any], call: Call | None = None) -> Any:
         """An exception of the library's own code (a bug): the call is served eagerly, with a
@@ -77,7 +79,9 @@ class Fallbacks:
             with self.lock:
                 self.table = with_refused(self.table, call.key, call.described.words(), why)
         self._say_once(f"{why}; served eagerly")
-        return result()
+        out = result()
+        raise_held()
+        return out
 
     def _give_up(self, why: str, generation: int, result: Callable[[], Any]) -> Any:
         """Fallback to eager with a warning that says why; ``fullgraph=True`` raises instead."""
@@ -88,7 +92,7 @@ class Fallbacks:
             if self.table.generation == generation and self.table.state is not State.Fallback:
                 self.table = fallen_back(self.table, why)
                 logger.info("%s serves eagerly until reset(): %s", name, why)
-                warnings.warn(f"clika_runtime: {name} serves eagerly until reset(): {why}", stacklevel=_user_level())
+                say(f"clika_runtime: {name} serves eagerly until reset(): {why}", _user_level())
         return result()
 
     def _refuse(self, call: Call, why: str, generation: int, result: Callable[[], Any], point: Any = None) -> Any:
@@ -109,8 +113,8 @@ class Fallbacks:
                                           weights.converted_watch(self.target.owner, self.target.fn))
                 logger.info("%s serves eagerly until reset(), for calls with the key %s%s: %s", name, key, at, why)
                 others = "calls with other keys still capture" if point is None else "its other sizes are still served"
-                warnings.warn(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key "
-                              f"({key}){at}: {why}; {others}", stacklevel=_user_level())
+                say(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key "
+                    f"({key}){at}: {why}; {others}", _user_level())
         return result()
 
     def _unkeyable(self, why: str) -> None:
@@ -135,7 +139,7 @@ class Fallbacks:
         if why not in self._warned:
             self._warned.add(why)
             logger.info("%s: %s", self.target.name, why)
-            warnings.warn(f"clika_runtime: {self.target.name}: {why}", stacklevel=_user_level())
+            say(f"clika_runtime: {self.target.name}: {why}", _user_level())
 
 
 @dataclass

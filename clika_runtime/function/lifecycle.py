@@ -19,6 +19,7 @@ import torch
 from clika_runtime.base import memory
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
+from clika_runtime.base.saying import raise_held
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
 from clika_runtime.capture.closures import RunFailed
@@ -119,6 +120,7 @@ class Lifecycle(Fallbacks):
         short = eagerly.judge(out) if eagerly.judge is not None else None
         if short is not None:
             self._say_once(short)
+        raise_held()
         return out
 
     def _recall(self) -> None:
