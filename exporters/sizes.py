@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 import torch
+from onnxscript.function_libs.torch_lib.ops import core
 from onnxscript.onnx_opset import opset18 as op
 
 _DOUBLE = "clika_runtime.double"  # marks a value this module computed in double (``as_doubles``)
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+_FLOAT_TYPES = frozenset(int(t) for t in _FLOATS)
 
 
 def _double(x: Any) -> Any:
@@ -88,6 +90,22 @@ def _to_int(rounding: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
     return apply
 
 
+def _arange(torchlib: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.arange`` of floats (``arange(0, n, 0.7)``, ``arange(n * 0.5)``): torch computes the
+    length ``ceil((end - start) / step)`` and each value in double, and rounds the values to the
+    dtype; torchlib's Range ran in float32, where ``14 / 0.7`` is 20, not double's 20.000000000000004
+    (ceil: 21), and served one value fewer. Integer ranges stay torchlib's."""
+    def arange(*numbers: Any, dtype: int = -1, layout: str = "", device: str = "", pin_memory: bool = False) -> Any:
+        floating = dtype in _FLOAT_TYPES if dtype not in (-1, None) else any(map(_is_float, numbers))
+        if not floating:
+            return torchlib(*numbers, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
+        start, end, step = (0, *numbers, 1) if len(numbers) == 1 else (*numbers, 1)[:3]
+        values = op.Range(_double(start), _double(end), _double(step))
+        target = ir.DataType.FLOAT if dtype in (-1, None) else ir.DataType(dtype)
+        return values if target == ir.DataType.DOUBLE else op.Cast(values, to=target)
+    return arange
+
+
 TABLE: dict[Any, Callable[..., Any]] = {
     torch.sym_float: sym_float,
     operator.add: _arithmetic(op.Add),
@@ -102,6 +120,9 @@ TABLE: dict[Any, Callable[..., Any]] = {
     math.ceil: _to_int(op.Ceil),
     torch.sym_max: _arithmetic(op.Max),
     torch.sym_min: _arithmetic(op.Min),
+    torch.ops.aten.arange.default: _arange(core.aten_arange),
+    torch.ops.aten.arange.start: _arange(core.aten_arange_start),
+    torch.ops.aten.arange.start_step: _arange(core.aten_arange_start_step),
 }
 
 
