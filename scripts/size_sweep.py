@@ -109,12 +109,13 @@ def _resize_cases() -> list[Case]:
         for corners in (False, True):
             for scale in (0.7, 2, 2.3):
                 cases.append(Case(f"{mode} scale {scale} align_corners={corners}",
-                                  _resize(mode, scale_factor=scale, align_corners=corners), shape, exact=False))
+                                  _resize(mode, scale_factor=scale, align_corners=corners), shape, exact=False,
+                                  float64=True))
             cases.append(Case(f"{mode} size 7x13 align_corners={corners}",
                               _resize(mode, size=(7, 13, 9)[:len(shape(5)) - 2], align_corners=corners),
-                              shape, exact=False))
-        cases.append(Case(f"{mode} scale 0.7 recomputed", _resize(mode, scale_factor=0.7,
-                                                                  recompute_scale_factor=True), shape, exact=False))
+                              shape, exact=False, float64=True))
+        cases.append(Case(f"{mode} scale 0.7 recomputed", _resize(mode, scale_factor=0.7, recompute_scale_factor=True),
+                          shape, exact=False, float64=True))
     for mode, rank in (("linear", 1), ("bilinear", 2), ("bicubic", 2), ("trilinear", 3)):
         # Lengths where ``length * scale`` in double is just below an integer but not in float32
         # (0.7 at 90, 170; 2.3 at 50, 90, 100), or is one and not in float32 (0.65 at 180, 340).
