@@ -34,7 +34,8 @@ integer divided by -1 and the process died, where torch wraps.
 
 Resizes (nearest, and linear or cubic by a scale factor) are in ``upsampling.py``; Python
 numbers computed from sizes (``int(n * 0.7)``) in ``sizes.py``. Signs, and float floor division
-and remainder, are in ``signs.py``; Python numbers in float64 and half-precision graphs (``x * 0.1``, ``x / 65535.0``) in ``scalars.py``; integer powers in
+and remainder, are in ``signs.py``; Python numbers in float64 and half-precision graphs
+(``x * 0.1``, ``x / 65535.0``) in ``scalars.py``; integer powers in
 ``integer_power.py``. The log-domain ops (``log_sigmoid``, which
 ``binary_cross_entropy_with_logits`` decomposes into, ``logaddexp``, ``logaddexp2``,
 ``logcumsumexp``) are in ``log_domain.py``.

@@ -11,7 +11,8 @@ one verified size cannot show. Ours computes torch's index and gathers along eac
 (scripts/size_sweep.py checks them and the other index arithmetic at every size of a range).
 
 Linear and cubic resizes by a scale factor (``upsample_{bilinear2d,bicubic2d,trilinear3d}.vec``;
-``linear`` in 1d is decomposed into size arithmetic, which ``sizes.py`` computes): torchlib's Resize takes the float32 scale factor, and onnxruntime
+``linear`` in 1d is decomposed into size arithmetic, which ``sizes.py`` computes): torchlib's
+Resize takes the float32 scale factor, and onnxruntime
 computes the output length ``floor(in * scale)`` in float32, where torch computes it in double:
 where ``in * scale_factor`` is just below an integer (2.3 at 50, 90, 100; 0.7 at 90, 170) the graph
 served one position more than eager. Ours computes torch's length in double; with

@@ -156,7 +156,8 @@ def _elsewhere(feeds: Sequence[Any], dynamic: Sequence[Mapping[int, Any]]) -> li
     step the same way for all keeps the axes that are one size, or one more than another, so."""
     sizes = [feed.shape[axis] for feed, axes in zip(feeds, dynamic) if isinstance(feed, torch.Tensor) for axis in axes]
     step = _LONGER if 2 in sizes else -1
-    return [_stepped(feed, axes, step) if isinstance(feed, torch.Tensor) else feed for feed, axes in zip(feeds, dynamic)]
+    return [_stepped(feed, axes, step) if isinstance(feed, torch.Tensor) else feed
+            for feed, axes in zip(feeds, dynamic)]
 
 
 def _stepped(feed: torch.Tensor, axes: Mapping[int, Any], step: int) -> torch.Tensor:

@@ -139,7 +139,8 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     return _budgeted(table, plan)
 
 
-def _outside(found: Sequence[tuple["Capture", Sequence[Any]]], call: Call) -> tuple[tuple[int, int, int, int | None], ...]:
+def _outside(found: Sequence[tuple["Capture", Sequence[Any]]],
+             call: Call) -> tuple[tuple[int, int, int, int | None], ...]:
     """A variant's bounds (``CapturePlan.bounds``): on each axis whose size lies outside the
     range of a graph of its key, the sizes on that side of the range (of every such graph)."""
     bounds = []
