@@ -30,6 +30,7 @@ from exporters import (
     transposes,
 )
 from exporters.dtypes import onnx_dtype
+from exporters.other_threads import InOtherThread, held
 from exporters.quiet import quiet
 
 _GRAPH_SCALARS = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -168,11 +169,16 @@ def _exporter_with_registry() -> tuple[Callable[..., Any], Any, int] | None:
 
 def root_cause(error: BaseException) -> str:
     """The innermost cause of an exporter failure, first lines only: what a user can act on."""
-    while error.__cause__ is not None:
-        error = error.__cause__
+    error = _innermost(error)
     text = str(error).strip() or type(error).__name__
     lines = [line for line in text.splitlines() if line.strip()][:6]
     return f"{type(error).__name__}: " + "\n".join(lines)
+
+
+def _innermost(error: BaseException) -> BaseException:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
 
 
 def export_graph(
@@ -242,7 +248,7 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
     """The exporter's program; its failures as one ``RuntimeError`` with the root cause, a trace
     that writes buffers as ``WritesState``."""
     try:
-        with _EXPORTING, quiet(), _fx_sources_dropped(), _tracer_patches_in_this_thread(flat), \
+        with _EXPORTING, held(flat), quiet(), _fx_sources_dropped(), _tracer_patches_in_this_thread(flat), \
                 _inference_parameters_frozen(owner), fast_paths.encoders_as_in_eager(owner):
             # In a copy of the context: every `config.patch(...)` torch enters makes a ContextVar
             # of its own, which stays in the context that set it for good (5 a capture); in a
@@ -253,6 +259,8 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
                 flat, tuple(examples), list(input_names), _dynamic_shapes(examples, dynamic) if examples else None, optimize
             )
     except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
+        if isinstance(_innermost(e), InOtherThread):
+            raise Uncapturable(str(_innermost(e))) from e
         raise RuntimeError(root_cause(e)) from e
     _tensors_forgotten(program.exported_program)
     _refuse_state_writes(program.exported_program, owner)
@@ -285,20 +293,18 @@ def _tracer_patches_in_this_thread(traced: torch.nn.Module) -> Iterator[None]:
     The tracer keeps one stack of the module calls it is in, and the trace holds the traced
     modules' parameters: a module called from another thread meanwhile went through this trace
     (``generate`` calling its encoder while another thread's call captures the decoder), and both
-    the export and that call failed on the stack (an AssertionError). In other threads, a module
-    of ``traced`` is called once the export is done (its parameters are its own again); any
-    other module, and everything else patched, runs as without the trace."""
+    the export and that call failed on the stack (an AssertionError). In other threads, modules
+    and everything else patched run as without the trace (``other_threads.held`` makes calls of
+    ``traced``'s modules wait for the export to end)."""
     patcher = getattr(getattr(torch.fx, "_symbolic_trace", None), "_Patcher", None)
     if patcher is None:  # another torch: its tracer as it is
         yield
         return
     patch_method, patch = patcher.patch_method, patcher.patch
-    here, mine = threading.get_ident(), frozenset(id(m) for m in traced.modules())
+    here = threading.get_ident()
 
     def method_here(self: Any, cls: type, name: str, new_fn: Callable[..., Any], deduplicate: bool = True) -> None:
-        original = getattr(cls, name)
-        elsewhere = _after_the_export(original, mine) if cls is torch.nn.Module and name == "__call__" else original
-        return patch_method(self, cls, name, _here_only(here, elsewhere, new_fn), deduplicate)
+        return patch_method(self, cls, name, _here_only(here, getattr(cls, name), new_fn), deduplicate)
 
     def global_here(self: Any, frame_dict: dict, name: str, new_fn: Callable[..., Any], deduplicate: bool = True) -> None:
         original = frame_dict.get(name, getattr(builtins, name, None))
@@ -317,17 +323,6 @@ def _here_only(thread: int, original: Callable[..., Any], replacement: Callable[
         return (replacement if threading.get_ident() == thread else original)(*args, **kwargs)
 
     return patched
-
-
-def _after_the_export(call: Callable[..., Any], traced: frozenset[int]) -> Callable[..., Any]:
-    """``Module.__call__`` that, for a module of the traced model, waits for the export first."""
-    def called(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if id(module) in traced:
-            with _EXPORTING:  # held by the exporting thread until the export is done
-                pass
-        return call(module, *args, **kwargs)
-
-    return called
 
 
 def _tensors_forgotten(program: Any) -> None:

@@ -272,3 +272,214 @@ def test_trap_module_calls_in_other_threads_during_a_capture_run_as_without_it()
     other.join()
     assert not failures, repr(failures[0])
     assert traced_meanwhile[0] > 0 and len(f.captures) == 1
+
+
+# ---------------------------------------------------------------- other threads during a first call
+# Each test below holds one thread at a set point of another's first call (an Event, not a sleep):
+# the race the trial found by chance happens every run.
+
+
+class _Paused(torch.nn.Module):
+    """A linear layer whose eager (not traced) calls run ``pause()`` between reading the input
+    and the weights: where another thread changes the model meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.pause = _no_pause
+
+    def forward(self, x):
+        if not torch.compiler.is_exporting():
+            self.pause()
+        return self.fc(x)
+
+
+def _no_pause() -> None:
+    pass
+
+
+class _Tempered(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Paused()
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.body(x) / self.temperature
+
+
+class _TrainDoubles(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Paused()
+
+    def forward(self, x):
+        return self.body(x) * (2.0 if self.training else 1.0)
+
+
+def _meanwhile(model: torch.nn.Module, change) -> threading.Thread:
+    """A thread that runs ``change()`` while the model's next eager call is paused in ``body``."""
+    inside, changed = threading.Event(), threading.Event()
+
+    def pause() -> None:
+        model.body.pause = _no_pause  # once
+        inside.set()
+        assert changed.wait(30)
+
+    def other() -> None:
+        assert inside.wait(30)
+        change()
+        changed.set()
+
+    model.body.pause = pause
+    thread = threading.Thread(target=other)
+    thread.start()
+    return thread
+
+
+def test_trap_an_attribute_another_thread_sets_during_the_first_call_stays_watched():
+    """Another thread set ``model.temperature`` while the first call ran eagerly (a config
+    endpoint of a server). The attribute moved during the call, so it was taken as written by
+    the target itself and never watched: the next change (4.0) was served stale from the graph
+    baked with 2.0. The target does not write it when traced again, so it is watched."""
+    torch.manual_seed(0)
+    model, x = _Tempered().eval(), torch.randn(2, 4)
+    f = cr.compile(model)
+
+    def change() -> None:
+        model.temperature = 2.0
+
+    thread = _meanwhile(model, change)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model(x))
+    thread.join()
+    model.temperature = 4.0
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(f(x), model(x))
+    assert sum(c.hits for c in f.captures) == 1 and not f.fallback_reason
+
+
+def test_trap_train_called_from_another_thread_during_the_first_eval_call_serves_no_training_graph():
+    """Another thread called ``model.train()`` while the first (eval) call ran eagerly: the graph
+    was traced in training mode and filed under the eval key, and later eval calls were served
+    training-mode numbers (x2 here; dropout and batch statistics in a real model)."""
+    torch.manual_seed(0)
+    model, x = _TrainDoubles().eval(), torch.randn(2, 4)
+    f = cr.compile(model)
+    thread = _meanwhile(model, model.train)
+    with torch.no_grad():
+        f(x)
+    thread.join()
+    for mode in ("eval", "train", "eval", "train"):
+        getattr(model, mode)()
+        with torch.no_grad():
+            torch.testing.assert_close(f(x), model(x), msg=mode)
+    assert not f.fallback_reason
+
+
+class _Signals(torch.nn.Module):
+    """Two layers; a traced call sets ``tracing``, a call from ``waiter`` waits (up to 2 s) for
+    it between its layers: a direct eager call in flight when an export begins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.signals: dict = {}
+
+    def forward(self, x):
+        signals = self.signals
+        if torch.compiler.is_exporting() and threading.get_ident() != signals.get("waiter"):
+            signals["tracing"].set()
+        h = self.first(x)
+        if threading.get_ident() == signals.get("waiter"):
+            signals["inside"].set()
+            signals["tracing"].wait(2)
+        return torch.nn.functional.linear(h, self.second.weight, self.second.bias)  # read mid-call
+
+
+def test_trap_a_direct_call_in_flight_when_an_export_begins_finishes_with_real_weights():
+    """A server's other endpoint called the model directly while ``f``'s first call exported it.
+    torch.export swaps the model's parameters for fake tensors on the model itself: the direct
+    call, already running, read them (a FakeTensor returned, or an AssertionError from fake
+    mode). The export now waits for calls of its model running in other threads to end."""
+    torch.manual_seed(0)
+    model, x = _Signals().eval(), torch.randn(2, 4)
+    with torch.no_grad():
+        expected = model(x)
+    model.signals.update(tracing=threading.Event(), inside=threading.Event())
+    got: list = []
+
+    def direct() -> None:
+        model.signals["waiter"] = threading.get_ident()
+        try:
+            with torch.no_grad():
+                got.append(model(x))
+        except Exception as error:  # collected, asserted below
+            got.append(error)
+
+    other = threading.Thread(target=direct)
+    other.start()
+    assert model.signals["inside"].wait(30)
+    f = cr.compile(model)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), expected)
+    other.join()
+    assert type(got[0]) is torch.Tensor, repr(got[0])
+    torch.testing.assert_close(got[0], expected)
+    assert len(f.captures) == 1 and not f.fallback_reason
+
+
+class _PooledEnsemble(torch.nn.Module):
+    """A forward that runs its members on a thread pool (a parallel ensemble)."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self.members = torch.nn.ModuleList([torch.nn.Linear(4, 3) for _ in range(3)])
+        self.pool = pool
+
+    def forward(self, x):
+        return torch.stack(list(self.pool.map(lambda m: m(x), self.members))).mean(0)
+
+
+def test_trap_a_forward_that_calls_its_modules_on_a_thread_pool_runs_eagerly_and_never_hangs():
+    """The first compiled call of such a forward hung for ever: during the export, the pool's
+    calls of the model's modules waited for the export, which waited for them. A trace follows
+    one thread, so it cannot be captured: the export fails saying so and the calls run eagerly."""
+    torch.manual_seed(0)
+    pool = ThreadPoolExecutor(3)
+    model, x = _PooledEnsemble(pool).eval(), torch.randn(2, 4)
+    f = cr.compile(model)
+    got: list = []
+
+    def first_call() -> None:
+        with warnings.catch_warnings(record=True) as said, torch.no_grad():
+            warnings.simplefilter("always")
+            got.append((f(x), f(x), [str(w.message) for w in said]))
+
+    caller = threading.Thread(target=first_call, daemon=True)
+    caller.start()
+    caller.join(120)
+    pool.shutdown(wait=not caller.is_alive())
+    assert not caller.is_alive(), "the first compiled call hangs"
+    first, second, said = got[0]
+    with torch.no_grad(), ThreadPoolExecutor(3) as model.pool:
+        torch.testing.assert_close((first, second), (model(x), model(x)))
+    assert not f.captures and any("another thread" in s for s in said), said
+
+
+def test_trap_what_other_threads_print_during_an_export_is_printed(capfd):
+    """The export's own chatter is kept off the console by swapping ``sys.stdout``, which is the
+    whole process's: a server's request logs printed by other threads meanwhile were lost."""
+
+    def target(x):
+        if torch.compiler.is_exporting():
+            other = threading.Thread(target=print, args=("a line from another thread",))
+            other.start()
+            other.join()
+        return x + 1
+
+    f = cr.compile(target)
+    f(torch.randn(2, 3))
+    assert "a line from another thread" in capfd.readouterr().out
+    assert len(f.captures) == 1

@@ -52,6 +52,7 @@ def build(
     optimize: bool, place: serving.Place, parameters: Sequence[str],
     exporting: Callable[[], ContextManager[Any]] = contextlib.nullcontext, work_dir: str | None = None,
     precision: str = FP32, agreement: Agreement = Agreement(), elsewhere: bool = False,
+    on_trace: Callable[[], None] | None = None,
 ) -> Capture:
     """Export, write the graph to a folder (under ``work_dir``), open a session and verify.
     Raises ``CaptureError`` (``VerificationError``) with why. ``elsewhere``: a graph with dynamic
@@ -61,11 +62,13 @@ def build(
     ``exporting`` is held around the export: the target must not run eagerly meanwhile.
     ``precision``: a reduced one (``int8``, ``fp16``) serves when its graph meets ``agreement``
     with eager; else the fp32 graph serves and ``Capture.precision_note`` says why.
+    ``on_trace`` is called each time the export has run the target's Python, as it returns: what
+    the trace wrote is still in place then (the exporter puts module attributes back after).
     """
     try:
         with torch.inference_mode(False), torch.no_grad():
             capture = _build(plan, eager_out, target, forms, owner, output_names, output_axes, graph_name, optimize,
-                             place, parameters, exporting, work_dir, precision, agreement)
+                             place, parameters, exporting, work_dir, precision, agreement, on_trace)
             if elsewhere and capture.precision is None:
                 second_size(capture, plan, _tracer(plan, target, forms),
                             output_names_of(eager_out, trees.flatten(eager_out)[0], output_names, plan.call.names))
@@ -80,7 +83,7 @@ def _build(
     plan: CapturePlan, eager_out: Any, target: Callable[..., Any], forms: CallForms, owner: torch.nn.Module | None,
     output_names: Sequence[str] | None, output_axes: dict, graph_name: str, optimize: bool, place: serving.Place,
     parameters: Sequence[str], exporting: Callable[[], ContextManager[Any]], work_dir: str | None,
-    precision: str, agreement: Agreement,
+    precision: str, agreement: Agreement, on_trace: Callable[[], None] | None,
 ) -> Capture:
     phases: dict[str, float] = {}
     call = plan.call
@@ -89,7 +92,7 @@ def _build(
     hints.check_inputs(call.feeds, call.names)
     hints.check_outputs(eager_leaves)
     names = output_names_of(eager_out, eager_leaves, output_names, call.names)
-    trace = _tracer(plan, target, forms)
+    trace = _tracer(plan, target, forms, on_trace)
     started = time.perf_counter()
     with exporting():  # also while looking up the baked tensors: no other export swaps them for fakes
         exported = _export(plan, trace, names, eager_leaves, graph_name, output_axes, optimize, owner,
@@ -177,8 +180,10 @@ def _sizes(feeds: Sequence[Any]) -> str:
     return ", ".join(str(tuple(f.shape)) for f in feeds if isinstance(f, torch.Tensor))
 
 
-def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> Callable[..., list[Any]]:
-    """The target as a function of the fed leaves, called exactly as the user called it."""
+def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms,
+            returned: Callable[[], None] | None = None) -> Callable[..., list[Any]]:
+    """The target as a function of the fed leaves, called exactly as the user called it;
+    ``returned()`` after each call."""
     call = plan.call
     structure, slots, original = call.original  # as the call was made: the eager call may have changed it (a KV cache)
     into = [slots[p] for p in call.positions]
@@ -192,7 +197,10 @@ def _tracer(plan: CapturePlan, target: Callable[..., Any], forms: CallForms) -> 
             if index is not None:
                 leaves[index] = value
         args, kwargs = structure.unflatten(leaves)
-        return trees.flatten(target(*args, **kwargs))[0]
+        out = trees.flatten(target(*args, **kwargs))[0]
+        if returned is not None:
+            returned()
+        return out
 
     return flat
 

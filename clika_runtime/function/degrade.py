@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -50,16 +50,17 @@ class Attempt:
 
 
 def build(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None = None,
-          elsewhere: bool = False) -> Attempt:
+          elsewhere: bool = False, on_trace: Callable[[], None] | None = None) -> Attempt:
     """Capture ``plan`` (its call's eager result is ``out``): from the disk cache when an earlier
     process made it, else by exporting, degrading until it succeeds (then kept in the cache).
     ``ahead``: the cache lookup started before the eager call; ``elsewhere``: a dynamic graph is
     verified at a second size too (``capture.second_size``; a graph that fails it is exported
-    with those axes static). Raises the last ``CaptureError`` when nothing is left to give up."""
+    with those axes static); ``on_trace``: called each time an export has run the target's Python
+    (``capture.build``). Raises the last ``CaptureError`` when nothing is left to give up."""
     check_output_axes(target, out, plan)
     watch_registrations()
     with _progress(target, plan) as attempt_of:
-        attempt = _cached_or_exported(target, plan, out, ahead, elsewhere)
+        attempt = _cached_or_exported(target, plan, out, ahead, elsewhere, on_trace)
         attempt_of.append(attempt)
     return attempt
 
@@ -118,7 +119,7 @@ class _Line:
 
 
 def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None,
-                        elsewhere: bool) -> Attempt:
+                        elsewhere: bool, on_trace: Callable[[], None] | None) -> Attempt:
     ready = ahead.ready() if ahead is not None and ahead.plan is plan else None  # the plan the lookup was for
     slot = ready.slot if ready is not None else restore.slot_for(target, plan)
     if slot is not None:
@@ -127,7 +128,7 @@ def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: rest
             capture, used, meta = found
             return Attempt(capture, used, list(meta["notes"]), [tuple(a) for a in meta["static_axes"]],
                            frozenset(meta["unliftable"]))
-    attempt = _exported(target, plan, out, slot.cache.work if slot is not None else None, elsewhere)
+    attempt = _exported(target, plan, out, slot.cache.work if slot is not None else None, elsewhere, on_trace)
     if attempt.capture.precision_note:  # kept with the entry: a restore serves the same fp32 graph
         attempt.notes.append(attempt.capture.precision_note)
     if slot is not None:
@@ -136,14 +137,16 @@ def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: rest
     return attempt
 
 
-def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewhere: bool) -> Attempt:
+def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewhere: bool,
+              on_trace: Callable[[], None] | None) -> Attempt:
     """The degrade ladder over fresh exports."""
     notes = _specialised(target, plan)
     static_axes: list[tuple[str, int]] = []
     unliftable: frozenset[int] = frozenset()
     while True:
         try:
-            return Attempt(_build_once(target, plan, out, work_dir, elsewhere), plan, notes, static_axes, unliftable)
+            capture = _build_once(target, plan, out, work_dir, elsewhere, on_trace)
+            return Attempt(capture, plan, notes, static_axes, unliftable)
         except UncapturableError:
             raise
         except CaptureError as error:
@@ -183,14 +186,15 @@ def _specialised(target: Target, plan: CapturePlan) -> list[str]:
     ]
 
 
-def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewhere: bool) -> Capture:
+def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewhere: bool,
+                on_trace: Callable[[], None] | None) -> Capture:
     inputs = set(plan.call.names)
     return capture_mod.build(
         plan, out, target=target.fn, forms=target.forms, owner=target.owner, output_names=target.output_names,
         output_axes={n: dict(a) for n, a in target.options.dynamic_axes.items() if n not in inputs},
         graph_name=target.graph_name, optimize=target.optimize, place=target.place_for(plan.call.feeds),
         parameters=target.forms.positional, exporting=TARGETS.exclusive, work_dir=work_dir,
-        precision=target.precision, agreement=target.agreement_now(), elsewhere=elsewhere,
+        precision=target.precision, agreement=target.agreement_now(), elsewhere=elsewhere, on_trace=on_trace,
     )
 
 

@@ -185,22 +185,31 @@ class Lifecycle(Fallbacks):
         if mutated:
             return self._refuse(plan.call, mutation(mutated), generation, lambda: out, plan.point)
         with TARGETS.shared():
-            written = before.moved()  # by this call's eager run: outputs of the target, not inputs
+            # Moved during the eager run: written by the target, or by another thread meanwhile.
+            ran = before.moved()
             # The state the trace starts from: a change another thread makes while it runs is a
             # change the next call sees (taken after the trace, it would be baked unseen).
-            snapshot = before.refreshed(written)
+            after = before.refreshed()
             hooked = hook_containers(self.target.owner) if self.target.owner is not None else []
-            put_back = before.keeper(written, [held for _, held in hooked])  # what the trace's writes overwrite
+            put_back = before.keeper(ran, [held for _, held in hooked])  # what the trace's writes overwrite
+        if _switched(self.target.owner, plan.call):
+            return out  # see _switched: the next call captures
         plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
+        rewrites = _Rewrites(after)
         try:
             # A second size runs the target once more: not where that writes its state or feeds hooks.
-            attempt = degrade.build(self.target, plan, out, ahead, elsewhere=not written and not _hooks(self.target.owner))
+            attempt = degrade.build(self.target, plan, out, ahead, elsewhere=not ran and not _hooks(self.target.owner),
+                                    on_trace=rewrites)
         except CaptureError as error:
-            why = f" (the target writes {staleness.words(written)} itself, which a graph cannot)" \
-                if written and isinstance(error, VerificationError) else ""
+            why = f" (the target writes {staleness.words(ran)} itself, which a graph cannot)" \
+                if ran and isinstance(error, VerificationError) else ""
             return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
         finally:
             put_back()
+        if _switched(self.target.owner, plan.call):
+            return out
+        written = rewrites.of(ran)
+        snapshot = after.without(written)
         seen = reads.read(codes, before.holders)
         attempt.notes.extend(_unwatched(attempt.capture, written))
         keeping = sorted({name for name, _ in hooked})
@@ -247,6 +256,39 @@ class Lifecycle(Fallbacks):
         return knowledge if knowledge.learned != table.knowledge.learned else None
 
     # ------------------------------------------------------------------------------- giving up
+
+
+class _Rewrites:
+    """What the target writes itself: what moved during its eager run and moved again while an
+    export ran its Python (from ``after``, the state between). What moved during the eager run
+    only was written by another thread meanwhile (a server's config endpoint), or once: it stays
+    watched. Noted as each trace returns: the exporter puts module attributes back after."""
+
+    def __init__(self, after: Snapshot) -> None:
+        self.after = after
+        self.moved: frozenset[tuple[str, str]] | None = None  # None: no trace ran (restored from disk)
+
+    def __call__(self) -> None:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        try:
+            with _disable_current_modes():  # comparing values must not be traced
+                moved = self.after.moved()
+        except Exception:  # an entry that cannot be compared now: taken as written
+            moved = frozenset((part.name, key) for part in self.after.parts for key in part.keys)
+        self.moved = moved if self.moved is None else self.moved | moved
+
+    def of(self, ran: staleness.Written) -> staleness.Written:
+        """Of what moved during the eager run (``ran``), what the target wrote."""
+        return ran if self.moved is None else ran & self.moved
+
+
+def _switched(owner: torch.nn.Module | None, call: Call) -> bool:
+    """Whether the model's training flag is no longer the one the call was keyed by: another
+    thread called ``train()`` or ``eval()`` while the call ran (or its export traced). The graph
+    would hold the other mode's computation under this key: it is not made, and the next call
+    with the key captures."""
+    return owner is not None and call.key.training is not None and owner.training != call.key.training
 
 
 def _shapes(feeds: Sequence[Any]) -> str:

@@ -90,6 +90,11 @@ class Snapshot:
         kept = [without(part, skip) for part in parts] if skip else parts
         return Snapshot([part for part in kept if part is not None], self.root, self.holders)
 
+    def without(self, skip: frozenset[tuple[str, str]]) -> "Snapshot":
+        """The same watch, values as recorded, but the entries in ``skip``."""
+        kept = [without(part, skip) for part in self.parts]
+        return Snapshot([part for part in kept if part is not None], self.root, self.holders)
+
     def moved(self) -> frozenset[tuple[str, str]]:
         """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of
         the target, what the target writes itself (``self.last_batch = ...``). An entry that was
