@@ -280,8 +280,8 @@ def test_trap_module_calls_in_other_threads_during_a_capture_run_as_without_it()
 
 
 class _Paused(torch.nn.Module):
-    """A linear layer whose eager (not traced) calls run ``pause()`` between reading the input
-    and the weights: where another thread changes the model meanwhile."""
+    """A linear layer whose eager (not traced) calls run ``pause()`` once computed: where another
+    thread changes the model meanwhile."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -289,9 +289,10 @@ class _Paused(torch.nn.Module):
         self.pause = _no_pause
 
     def forward(self, x):
+        y = self.fc(x)
         if not torch.compiler.is_exporting():
             self.pause()
-        return self.fc(x)
+        return y
 
 
 def _no_pause() -> None:
@@ -306,6 +307,16 @@ class _Tempered(torch.nn.Module):
 
     def forward(self, x):
         return self.body(x) / self.temperature
+
+
+class _Cooled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Paused()
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.body(x / self.temperature)
 
 
 class _TrainDoubles(torch.nn.Module):
@@ -376,6 +387,37 @@ def test_trap_train_called_from_another_thread_during_the_first_eval_call_serves
         with torch.no_grad():
             torch.testing.assert_close(f(x), model(x), msg=mode)
     assert not f.fallback_reason
+
+
+def _weights_bumped(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model.body.fc.weight.add_(1.0)
+
+
+def _cooled(model: torch.nn.Module) -> None:
+    model.temperature = 2.0
+
+
+@pytest.mark.parametrize("change", [_weights_bumped, _cooled], ids=["weights-in-place", "attribute-read-before"])
+def test_trap_a_model_changed_by_another_thread_while_its_first_call_captures_is_captured_again(change):
+    """Another thread changed what the call had already read (a training step's in-place update,
+    an attribute) after the eager run used it and before the export read it. The graph then
+    disagreed with the eager result, and that failed verification refused the key for good
+    ("serves eagerly until reset()"). A failure while the model changed meanwhile refuses
+    nothing: the next call captures again (and spends the re-capture budget, which a model
+    changed on every call exhausts)."""
+    torch.manual_seed(0)
+    model, x = _Cooled().eval(), torch.randn(2, 4)
+    f = cr.compile(model)
+    thread = _meanwhile(model, lambda: change(model))
+    with warnings.catch_warnings(record=True) as said, torch.no_grad():
+        warnings.simplefilter("always")
+        f(x)
+        thread.join()
+        for _ in range(3):
+            torch.testing.assert_close(f(x), model(x))
+    assert not [w for w in said if "eagerly" in str(w.message)], [str(w.message) for w in said]
+    assert sum(c.hits for c in f.captures) >= 1 and not f.fallback_reason
 
 
 class _Signals(torch.nn.Module):
