@@ -420,6 +420,44 @@ def test_trap_a_model_changed_by_another_thread_while_its_first_call_captures_is
     assert sum(c.hits for c in f.captures) >= 1 and not f.fallback_reason
 
 
+class _StepsElsewhere(torch.nn.Module):
+    """After each eager call, another thread writes its weights in place (a training step made
+    every time a capture is made)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if not torch.compiler.is_exporting():
+            step = threading.Thread(target=_step, args=(self.fc.weight,))
+            step.start()
+            step.join()
+        return y
+
+
+def _step(weight: torch.Tensor) -> None:
+    with torch.no_grad():
+        weight.add_(1.0)
+
+
+def test_a_model_changed_while_every_capture_is_made_runs_out_of_budget_and_serves_eagerly():
+    """Each capture's eager run and its export see different weights: none is made, each spends
+    the re-capture budget, and once it is spent the function serves eagerly saying why."""
+    cr.config.recapture_limit = 2
+    model, x = _StepsElsewhere().eval(), torch.randn(2, 4)
+    f = cr.compile(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5):
+            with torch.no_grad():
+                twin = copy.deepcopy(model)
+                torch.testing.assert_close(f(x), twin(x))
+    assert f.state is State.Fallback and "model changed while capturing" in f.fallback_reason
+    assert not f.captures
+
+
 class _Signals(torch.nn.Module):
     """Two layers; a traced call sets ``tracing``, a call from ``waiter`` waits (up to 2 s) for
     it between its layers: a direct eager call in flight when an export begins."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,7 +32,9 @@ from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiatin
 from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, decide, learned, planned,
 )
-from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, swapped, with_capture, without
+from clika_runtime.function.table import (
+    CacheTable, State, empty, retrying_refused, swapped, unmade, with_capture, without,
+)
 from clika_runtime.state import reads, weights
 from clika_runtime.state.snapshot import Snapshot, hook_containers
 from clika_runtime.trees import kvcache
@@ -178,6 +180,7 @@ class Lifecycle(Fallbacks):
         """Run ``plan``'s call eagerly and capture it; the eager result is the call's."""
         with TARGETS.shared():
             before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
+            weights_written = weights.written_later(self.target.owner)
         ahead = restore.ahead(self.target, plan)  # the disk cache looked up beside the eager call
         with reads.noted() as codes:  # the code the eager run runs: the names it can read
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
@@ -193,7 +196,7 @@ class Lifecycle(Fallbacks):
             hooked = hook_containers(self.target.owner) if self.target.owner is not None else []
             put_back = before.keeper(ran, [held for _, held in hooked])  # what the trace's writes overwrite
         if _switched(self.target.owner, plan.call):
-            return out  # see _switched: the next call captures
+            return self._unmade(_SWITCHED, generation, out)
         plan = planned(plan, out, self.target.options)  # a decoder step: its sequence axes dynamic
         rewrites = _Rewrites(after)
         try:
@@ -201,13 +204,17 @@ class Lifecycle(Fallbacks):
             attempt = degrade.build(self.target, plan, out, ahead, elsewhere=not ran and not _hooks(self.target.owner),
                                     on_trace=rewrites)
         except CaptureError as error:
+            meanwhile = _meanwhile(self.target.owner, plan.call, ran, after, rewrites, weights_written) \
+                if isinstance(error, VerificationError) else None
+            if meanwhile is not None:
+                return self._unmade(f"{meanwhile} ({first_line(error)})", generation, out)
             why = f" (the target writes {staleness.words(ran)} itself, which a graph cannot)" \
                 if ran and isinstance(error, VerificationError) else ""
             return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
         finally:
             put_back()
         if _switched(self.target.owner, plan.call):
-            return out
+            return self._unmade(_SWITCHED, generation, out)
         written = rewrites.of(ran)
         snapshot = after.without(written)
         seen = reads.read(codes, before.holders)
@@ -226,6 +233,15 @@ class Lifecycle(Fallbacks):
             restore.remember(self.target, taught)
         if dropped:  # a superseded or evicted capture's session is gone: its memory too
             memory.give_back()
+        return out
+
+    def _unmade(self, why: str, generation: int, out: Any) -> Any:
+        """A capture not made because another thread changed the model while it was made: no key
+        is refused, the next call captures again, and the re-capture budget is spent (``unmade``)."""
+        with self.lock:
+            if self.table.generation == generation:
+                self.table = unmade(self.table, why)
+        logger.info("%s: %s; the next call captures again", self.target.name, why)
         return out
 
     def _install(self, attempt: degrade.Attempt, generation: int, snapshot: Snapshot,
@@ -281,6 +297,24 @@ class _Rewrites:
     def of(self, ran: staleness.Written) -> staleness.Written:
         """Of what moved during the eager run (``ran``), what the target wrote."""
         return ran if self.moved is None else ran & self.moved
+
+
+_SWITCHED = "model changed while capturing: its training flag was switched"
+
+
+def _meanwhile(owner: torch.nn.Module | None, call: Call, ran: staleness.Written, after: Snapshot,
+               rewrites: _Rewrites, weights_written: Callable[[], bool]) -> str | None:
+    """Why a graph disagreed with its eager run when another thread changed the model while it was
+    made (a training step's in-place update, an attribute set after the eager run read it): the
+    failure is the change's, not the graph's. ``None``: nothing changed but what the target wrote."""
+    if _switched(owner, call):
+        return _SWITCHED
+    if weights_written():
+        return "model changed while capturing: weights written in place"
+    with TARGETS.shared():
+        now = after.moved()
+    others = now if rewrites.moved is None else (ran | now) - rewrites.moved
+    return f"model changed while capturing: {staleness.words(others)}" if others else None
 
 
 def _switched(owner: torch.nn.Module | None, call: Call) -> bool:

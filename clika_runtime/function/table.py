@@ -157,6 +157,13 @@ def without(table: CacheTable, dropped: Sequence["Capture"], pending: str | None
     return _rebuilt(table, entries, flat=flat, pending=pending, pending_spends=spends)
 
 
+def unmade(table: CacheTable, why: str) -> CacheTable:
+    """``table`` after a capture that was not made because the model changed while it was being
+    made (another thread): the next call with its key captures again, with ``why`` as its reason,
+    and ``why`` has spent the budget (a model changed on every call runs out of it)."""
+    return replace(table, pending=why, pending_spends=False, spent=table.spent + (why,))
+
+
 def swapped(table: CacheTable, old: "Capture", new: "Capture", note: str) -> CacheTable:
     """``table`` with ``new`` in ``old``'s place (a guard that refuses more), and ``note`` said."""
     entries = {k: tuple(new if c is old else c for c in v) for k, v in table.entries.items()}

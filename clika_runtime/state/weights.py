@@ -131,6 +131,14 @@ def _place(root: torch.nn.Module, name: str, tensor: torch.Tensor) -> tuple[dict
     return None
 
 
+def written_later(owner: torch.nn.Module | None) -> Callable[[], bool]:
+    """A check of whether a parameter or buffer of ``owner`` has been written in place since this
+    call (another thread's training step while a capture is made)."""
+    tensors = [*owner.parameters(), *owner.buffers()] if owner is not None else []
+    versions = [_version_of(t) for t in tensors]
+    return lambda: [_version_of(t) for t in tensors] != versions
+
+
 def _version_of(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
