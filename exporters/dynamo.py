@@ -24,6 +24,7 @@ from exporters import (
     fast_paths,
     fusion,
     graph_edits,
+    log_domain,
     nan_guard,
     sizes,
     translations,
@@ -453,6 +454,7 @@ def _edited(
     graph_edits.pin_derived_inputs(model, examples, derived)
     graph_edits.widen_indices(model)
     transposes.fold_key_transposes(model.graph)
+    log_domain.logs_of_sigmoids(model.graph)
     declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]
     renames = graph_edits.name_dims(model, declared, output_dims, number_symbols)
     if guard_nan:

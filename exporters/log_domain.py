@@ -11,6 +11,10 @@ and ``binary_cross_entropy_with_logits``, which torch decomposes into it: ``inf`
 loss is 1e5); ``exp`` overflows past 88 and underflows below -104 (log-probabilities of -200 summed
 to ``-inf``); a prefix far below the row's maximum underflowed to ``-inf`` in ``logcumsumexp``.
 
+The same ``log(sigmoid(x))`` written by hand (``torch.log(torch.sigmoid(x))``) is two ops in the
+graph; ``logs_of_sigmoids`` computes such a sigmoid as torch's kernel does,
+``1 / (1 + exp(-x))``, a float down to x = -88 where onnxruntime's is 0.
+
 Ours follow torch's kernels (aten/src/ATen/native/BinaryOps.cpp, Activation.cpp):
 ``log_sigmoid(x) = min(x, 0) - log1p(exp(-|x|))``, ``logaddexp(a, b) = max(a, b) +
 log1p(exp(-|a - b|))`` (``a`` itself where both are the same infinity), ``logaddexp2`` the same in
@@ -24,6 +28,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+import onnx_ir as ir
 from onnxscript.onnx_opset import opset18 as op
 
 from exporters.dtypes import number_like
@@ -104,3 +110,27 @@ def _log1p(u: Any) -> Any:
     w = op.Add(u, one)
     gap = op.Sub(w, one)
     return op.Where(op.Equal(gap, number_like(0.0, u)), u, op.Mul(op.Log(w), op.Div(u, gap)))
+
+
+def logs_of_sigmoids(graph: ir.Graph) -> int:
+    """Feed each ``Log`` of a ``Sigmoid`` in ``graph`` (its top level) the sigmoid computed as
+    ``1 / (1 + exp(-x))``; the ``Sigmoid`` stays for its other uses. Returns how many."""
+    count = 0
+    for log in list(graph):
+        sigmoid = log.inputs[0].producer() if log.op_type == "Log" and not log.domain and log.inputs else None
+        if sigmoid is None or sigmoid.op_type != "Sigmoid" or sigmoid.domain or sigmoid.inputs[0].dtype is None:
+            continue
+        x = sigmoid.inputs[0]
+        one = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(1, dtype=x.dtype.numpy())))])
+        steps = [ir.Node("", "Neg", [x])]
+        steps.append(ir.Node("", "Exp", [steps[-1].outputs[0]]))
+        steps.append(ir.Node("", "Add", [one.outputs[0], steps[-1].outputs[0]]))
+        steps.append(ir.Node("", "Reciprocal", [steps[-1].outputs[0]]))
+        for step in steps[1:]:
+            step.outputs[0].dtype, step.outputs[0].shape = x.dtype, x.shape
+        graph.insert_before(log, [one, *steps])
+        log.replace_input_with(0, steps[-1].outputs[0])
+        if not sigmoid.outputs[0].uses() and not sigmoid.outputs[0].is_graph_output():
+            graph.remove(sigmoid, safe=True)
+        count += 1
+    return count

@@ -51,13 +51,16 @@ _OTHER = torch.tensor([[-1000.0, -199.0, -105.0, -31.0, 20.0, -17.0, -4.0, 0.0, 
 _TARGETS = (torch.arange(_LOGITS.numel()) % 2).float().reshape(_LOGITS.shape)
 _PROBABILITIES = torch.tensor([[-200.0, -200.0, 0.0, -1000.0, -1000.0, -50.0, -torch.inf, 3.0, -torch.inf, 100.0]])
 
-# torchlib computes these naively: log(sigmoid(x)) is -inf from x <= -104 and 2x off near -17;
+# torchlib computes these naively: log(sigmoid(x)) is -inf from x <= -18 and 2x off near -17 (and so
+# is the same written by hand);
 # log(exp(a) + exp(b)) overflows past 88 and underflows below -104 (exporters/log_domain.py).
 LOG_DOMAIN = {
     "logsigmoid": (F.logsigmoid, (_LOGITS,)),
     "binary_cross_entropy_with_logits": (lambda x, t: F.binary_cross_entropy_with_logits(x, t, reduction="none"),
                                          (_LOGITS[:, :-2], _TARGETS[:, :-2])),
     "binary_cross_entropy_with_logits, mean": (F.binary_cross_entropy_with_logits, (_LOGITS[:, :-2], _TARGETS[:, :-2])),
+    "log(sigmoid(x)) written by hand": (lambda x: torch.log(torch.sigmoid(x)), (_LOGITS,)),
+    "sigmoid(x) and its log": (lambda x: (torch.sigmoid(x), torch.sigmoid(x).log() * 2), (_LOGITS,)),
     "logaddexp": (torch.logaddexp, (_LOGITS, _OTHER)),
     "logaddexp2": (torch.logaddexp2, (_LOGITS, _OTHER)),
     "logcumsumexp": (lambda x: torch.logcumsumexp(x, -1), (_PROBABILITIES,)),
