@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import onnx
 import pytest
@@ -574,3 +575,20 @@ def test_size_arithmetic_the_graph_computes_is_pythons_floor_division():
             assert got.shape == want.shape and torch.allclose(got, want), (n, got.shape, want.shape)
     assert f.state is cr.CompiledFunction.State.Compiled, f.fallback_reason
     assert sum(c.hits for c in f.captures) >= 6
+
+
+def test_trap_a_declared_dynamic_axis_its_graph_cannot_serve_is_captured_per_size():
+    """``int(n * 0.7)`` on an axis declared dynamic: torch.export bakes the size, the graph fails
+    at a second size, and there was no step left to give up: the function served every call
+    eagerly until ``reset()``. The declared axis is now captured static, a graph per size, saying so."""
+    f = cr.compile(_keep_seven_tenths, dynamic_axes={"x": {1: "n"}})
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for n in (20, 20, 31, 31, 20):
+            x = torch.randn(2, n, 6)
+            got, want = f(x), _keep_seven_tenths(x)
+            assert got.shape == want.shape and torch.equal(got, want), (n, got.shape, want.shape)
+    assert f.state is cr.CompiledFunction.State.Compiled, f.fallback_reason
+    assert sum(c.hits for c in f.captures) == 3 and len(f.captures) == 2
+    assert any("declared dynamic" in note for note in f.capture_notes), f.capture_notes
+    assert any("declared dynamic" in str(w.message) for w in said), [str(w.message) for w in said]

@@ -20,6 +20,10 @@ class VerificationError(CaptureError):
     """A freshly captured graph disagreed with the eager result of the call that made it."""
 
 
+class SecondSizeError(VerificationError):
+    """A graph with dynamic axes agreed with eager at the call that made it, not at a second size."""
+
+
 class PlaceError(ClikaError, ValueError):
     """The requested place (device / onnxruntime provider) cannot be given."""
 

@@ -20,7 +20,7 @@ import torch
 import exporters
 import serving
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, UncapturableError, VerificationError, first_line
+from clika_runtime.base.errors import CaptureError, SecondSizeError, UncapturableError, first_line
 from clika_runtime.base.precision import FP32, Agreement, refusal
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.base.version import VERSION
@@ -125,7 +125,7 @@ def _build(
 
 
 def second_size(capture: Capture, plan: CapturePlan, trace: Callable[..., list[Any]], names: Sequence[str]) -> None:
-    """Raise ``VerificationError`` where the graph disagrees with eager at a second size, where
+    """Raise ``SecondSizeError`` where the graph disagrees with eager at a second size, where
     the guard accepts it and the target answers: each dynamic axis of at least 3 one shorter, or
     longer where one is 2 (``_elsewhere``). torch.export bakes a size computed in Python
     floats (``int(n * 0.7)``, interpolate's ``area`` length, an output of length 1) as its value
@@ -141,12 +141,12 @@ def second_size(capture: Capture, plan: CapturePlan, trace: Callable[..., list[A
     try:
         served = trees.flatten(capture.run(other))[0]
     except Exception as e:
-        raise VerificationError(f"the graph failed at a second size ({_sizes(other)}): {first_line(e)}") from e
+        raise SecondSizeError(f"the graph failed at a second size ({_sizes(other)}): {first_line(e)}") from e
     finally:
         capture.stats.hits = 0  # the verification run served no call
     problem = first_mismatch(list(names), eager_leaves, served)
     if problem:
-        raise VerificationError(f"the graph disagrees with eager at a second size ({_sizes(other)}): {problem}")
+        raise SecondSizeError(f"the graph disagrees with eager at a second size ({_sizes(other)}): {problem}")
 
 
 _LONGER = 3

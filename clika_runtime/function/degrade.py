@@ -16,20 +16,22 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, SignatureValueError, UncapturableError, first_line
+from clika_runtime.base.errors import (
+    CaptureError, SecondSizeError, SignatureValueError, UncapturableError, first_line,
+)
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
 from clika_runtime.capture import capture as capture_mod
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.target import Target
 from clika_runtime.capture.value import Capture
-from clika_runtime.function.planning import learned_static, unlifted, variant_static
+from clika_runtime.function.planning import declared_static, learned_static, unlifted, variant_static
 from clika_runtime.guards.guard import SPECIAL_BELOW
 from clika_runtime.state.weights import watch_registrations
 from clika_runtime.trees import pytrees as trees
@@ -40,13 +42,15 @@ PROGRESS_AFTER = 2.0  # seconds a capture runs before it says what it is doing
 
 @dataclass
 class Attempt:
-    """A capture that succeeded, the plan that made it, and what the retries gave up on the way."""
+    """A capture that succeeded, the plan that made it, and what the retries gave up on the way
+    (``said``: those of its notes the user is warned of, not only told in ``capture_notes``)."""
 
     capture: Capture
     plan: CapturePlan
     notes: list[str]
     static_axes: list[tuple[str, int]]
     unliftable: frozenset[int]
+    said: list[str] = field(default_factory=list)
 
 
 def build(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None = None,
@@ -141,12 +145,13 @@ def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewh
               on_trace: Callable[[], None] | None) -> Attempt:
     """The degrade ladder over fresh exports."""
     notes = _specialised(target, plan)
+    said: list[str] = []  # notes the user is warned of too
     static_axes: list[tuple[str, int]] = []
     unliftable: frozenset[int] = frozenset()
     while True:
         try:
             capture = _build_once(target, plan, out, work_dir, elsewhere, on_trace)
-            return Attempt(capture, plan, notes, static_axes, unliftable)
+            return Attempt(capture, plan, notes + said, static_axes, unliftable, said)
         except UncapturableError:
             raise
         except CaptureError as error:
@@ -159,17 +164,24 @@ def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewh
                 continue
             if plan.variant:
                 retry = variant_static(plan)
-                if retry is None:
-                    raise
-                notes.append(f"a variant exported static ({why})")
-                plan = retry
-                continue
-            given_up = learned_static(plan)
-            if given_up is None:
+                if retry is not None:
+                    notes.append(f"a variant exported static ({why})")
+                    plan = retry
+                    continue
+            else:
+                given_up = learned_static(plan)
+                if given_up is not None:
+                    plan, axes = given_up
+                    static_axes += axes
+                    notes.append(f"axes {axes} could not be exported dynamic ({why}); captured them static")
+                    continue
+            declared = declared_static(plan) if isinstance(error, SecondSizeError) else None
+            if declared is None:
                 raise
-            plan, axes = given_up
+            plan, axes = declared
             static_axes += axes
-            notes.append(f"axes {axes} could not be exported dynamic ({why}); captured them static")
+            said.append(f"axes {axes} were declared dynamic, but their graph disagrees with eager at other sizes "
+                        f"({why}): captured static, a graph per size")
 
 
 def _specialised(target: Target, plan: CapturePlan) -> list[str]:

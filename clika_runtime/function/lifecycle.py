@@ -219,6 +219,8 @@ class Lifecycle(Fallbacks):
         snapshot = after.without(written)
         seen = reads.read(codes, before.holders)
         attempt.notes.extend(_unwatched(attempt.capture, written))
+        for note in attempt.said:
+            self._say_once(note)
         keeping = sorted({name for name, _ in hooked})
         if keeping:
             self._say_once(f"forward hooks on {staleness.listed(keeping, repr)} keep what they see in a dict or list: "

@@ -131,7 +131,7 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     for p in problems:
         if p.kind == "size":
             drifted[call.names.index(p.input)].setdefault(p.axis, None)
-    dynamic = tuple(_without_static(static, d, n, k) for d, n, k in zip(drifted, call.names, declared))
+    dynamic = tuple(_without_static(static, d, n) for d, n in zip(drifted, call.names))
     reasons = [_drift(p) if p.kind == "size" else str(p) for p in problems]
     untied = table.knowledge.untied | _split(capture, problems, call)
     plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
@@ -248,15 +248,15 @@ def _initial_dynamic(table: CacheTable, call: Call, options: Options) -> tuple[d
             axes = {a: None for a in range(value.dim())}
         elif isinstance(value, _Tensor) and options.dynamic is None:
             axes = {a: n for a, n in learned.get(name, {}).items() if a < value.dim()}
-        dynamic.append(_without_static(static, {**axes, **declared}, name, declared))
+        dynamic.append(_without_static(static, {**axes, **declared}, name))
     return tuple(dynamic)
 
 
-def _without_static(static: set[tuple[str, int]], axes: Mapping[int, Any], name: str,
-                    declared: Mapping[int, Any]) -> dict:
+def _without_static(static: set[tuple[str, int]], axes: Mapping[int, Any], name: str) -> dict:
     """Drop axes the exporter could not make dynamic before for calls of this form (``static``:
-    ``_static_axes``; declared axes are always asked)."""
-    return {a: n for a, n in axes.items() if a in declared or (name, a) not in static}
+    ``_static_axes``: declared ones too, which are there only when their graph was wrong at other
+    sizes, ``declared_static``)."""
+    return {a: n for a, n in axes.items() if (name, a) not in static}
 
 
 def _static_axes(table: CacheTable, call: Call) -> set[tuple[str, int]]:
@@ -287,6 +287,16 @@ def learned_static(plan: CapturePlan) -> tuple[CapturePlan, list[tuple[str, int]
     if not given_up:
         return None
     return replace(plan, dynamic=tuple(dict(k) for k in plan.declared)), given_up
+
+
+def declared_static(plan: CapturePlan) -> tuple[CapturePlan, list[tuple[str, int]]] | None:
+    """A capture whose declared dynamic axes gave a graph wrong at other sizes (torch.export baked a
+    size computed from them): the same with every axis static, and the declared axes given up
+    (the function keeps them static from now on: a graph per size)."""
+    given_up = [(n, a) for n, d in zip(plan.call.names, plan.dynamic) for a in d]
+    if not given_up:
+        return None
+    return replace(plan, dynamic=tuple({} for _ in plan.dynamic)), given_up
 
 
 def learned(
