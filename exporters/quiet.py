@@ -73,6 +73,9 @@ class _Muted:
 @contextlib.contextmanager
 def _muted(name: str) -> Iterator[None]:
     stream = getattr(sys, name)
+    if stream is None:  # no console (pythonw, a daemon): print() already writes nothing
+        yield
+        return
     muted = _Muted(stream)
     setattr(sys, name, muted)
     try:

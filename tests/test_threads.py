@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import random
+import sys
 import threading
 import time
 import warnings
@@ -563,3 +564,22 @@ def test_trap_what_other_threads_print_during_an_export_is_printed(capfd):
     f(torch.randn(2, 3))
     assert "a line from another thread" in capfd.readouterr().out
     assert len(f.captures) == 1
+
+
+def test_prints_of_other_threads_during_an_export_without_a_console_write_nothing(monkeypatch):
+    """With no ``sys.stdout`` (pythonw, a daemon), ``print`` writes nothing; it must not raise in
+    another thread because an export is quieting the console."""
+    raised: list = []
+    monkeypatch.setattr(sys, "stdout", None)
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+
+    def target(x):
+        if torch.compiler.is_exporting():
+            other = threading.Thread(target=print, args=("a line",))
+            other.start()
+            other.join()
+        return x + 1
+
+    f = cr.compile(target)
+    f(torch.randn(2, 3))
+    assert not raised and len(f.captures) == 1
