@@ -824,3 +824,35 @@ def test_trap_a_private_attribute_read_beside_a_cached_property_stays_watched():
         model._scale = 5.0
         torch.testing.assert_close(f(x), model(x))
     assert f.recapture_count == 1
+
+
+class _LogitScaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.0))  # CLIP's
+
+    def forward(self, x):
+        return self.fc(x) * self.logit_scale.exp()
+
+
+def _averaged() -> torch.nn.Module:
+    from torch.optim.swa_utils import AveragedModel
+
+    return AveragedModel(torch.nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize("make", [_LogitScaled, _averaged, lambda: torch.nn.Sequential(
+    torch.nn.Linear(8, 8), torch.nn.PReLU(), torch.nn.Linear(8, 4))], ids=["0-d parameter", "AveragedModel", "PReLU"])
+def test_trap_a_model_with_a_one_element_tensor_is_captured(make):
+    """Telling what the target writes itself compares the watched state as each trace returns,
+    while the export has the parameters swapped for fake tensors: a dictionary compare reached a
+    one-element fake's ``bool()``, which left an unbacked size pending, and every capture of CLIP
+    (``logit_scale``), ``nn.PReLU()`` or ``AveragedModel`` (``n_averaged``) failed."""
+    torch.manual_seed(0)
+    model, x = make().eval(), torch.randn(5, 8)
+    f = cr.compile(model)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(f(x), model(x))
+    assert sum(c.hits for c in f.captures) == 2, f.fallback_reason

@@ -291,7 +291,7 @@ class _Rewrites:
 
         try:
             with _disable_current_modes():  # comparing values must not be traced
-                moved = self.after.moved()
+                moved = self.after.moved(traced=True)
         except Exception:  # an entry that cannot be compared now: taken as written
             moved = frozenset((part.name, key) for part in self.after.parts for key in part.keys)
         self.moved = moved if self.moved is None else self.moved | moved

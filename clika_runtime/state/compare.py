@@ -97,8 +97,10 @@ def _copied(value: Any, depth: int) -> Any:
     return value if type(value) is tuple and all(a is b for a, b in zip(copied, value)) else copied
 
 
-def differences(part: Part) -> list[str]:
-    """The keys of ``part`` whose values differ, and public keys added since."""
+def differences(part: Part, same: Callable[[Any, Any], bool] | None = None) -> list[str]:
+    """The keys of ``part`` whose values differ (``same``: how two values compare, ``_same`` by
+    default), and public keys added since."""
+    same = same or _same
     if part.trigger:
         return []
     try:
@@ -109,7 +111,7 @@ def differences(part: Part) -> list[str]:
             return list(part.keys)
         gone = object()  # a dictionary: the entries deleted, and those that differ
         now = tuple(part.container.get(key, gone) for key in part.keys)
-    found = [key for key, old, new in zip(part.keys, part.values, now) if not _same(old, new)]
+    found = [key for key, old, new in zip(part.keys, part.values, now) if not same(old, new)]
     if part.size is not None and len(part.container) != part.size:
         found += [key for key in part.container if key not in part.known
                   and (not key.startswith("_") if part.only is None else key in part.only)]
@@ -166,6 +168,21 @@ def _same(old: Any, new: Any) -> bool:
         except Exception:  # containers holding arrays or tensors: not comparable by value
             return False
     return isinstance(new, dict) and isinstance(old, dict) and _dicts_same(old, new)
+
+
+def same_untraced(old: Any, new: Any) -> bool:
+    """``_same`` that never compares a tensor by value: values holding one are the same only when
+    they are one object. For use inside a trace, where a parameter is a fake tensor: comparing it
+    (a dictionary's ``==`` calls ``bool()`` on its entries) would add to the trace."""
+    return old is new or (not _holds_tensor(old) and not _holds_tensor(new) and _same(old, new))
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if type(value) is dict:
+        return any(map(_holds_tensor, value.values()))
+    return type(value) in (list, tuple, set) and any(map(_holds_tensor, value))
 
 
 def _dicts_same(old: dict, new: dict) -> bool:

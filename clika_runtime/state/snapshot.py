@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from clika_runtime.state.compare import MODULE_PRIVATE, Part, differences, reread, without, word
+from clika_runtime.state.compare import MODULE_PRIVATE, Part, differences, reread, same_untraced, without, word
 from clika_runtime.state.reads import Reads, narrowed
 from clika_runtime.state.walk import filled, parts_read
 
@@ -95,7 +95,7 @@ class Snapshot:
         kept = [without(part, skip) for part in self.parts]
         return Snapshot([part for part in kept if part is not None], self.root, self.holders)
 
-    def moved(self) -> frozenset[tuple[str, str]]:
+    def moved(self, traced: bool = False) -> frozenset[tuple[str, str]]:
         """The entries that differ from the snapshot, as (part, key) pairs: taken around a call of
         the target, what the target writes itself (``self.last_batch = ...``). An entry that was
         ``None`` is not one: a default the first call fills in (``config.problem_type``) stays
@@ -103,8 +103,10 @@ class Snapshot:
         writing it at its next eager call, which re-captures once). Nor are a module's hooks and
         children: a target that adds them does so once (transformers' output recorders install
         their hooks on the first call that asks for hidden states), and they stay watched from
-        what the call left, for the user's own."""
-        return frozenset((part.name, key) for part in self.parts for key in differences(part)
+        what the call left, for the user's own. ``traced``: asked inside a trace, where tensors
+        are compared by identity only (``same_untraced``)."""
+        same = same_untraced if traced else None
+        return frozenset((part.name, key) for part in self.parts for key in differences(part, same)
                          if not (key in part.keys and part.values[part.keys.index(key)] is None)
                          and key not in MODULE_PRIVATE)
 
