@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import queue
 import random
 import sys
 import threading
@@ -508,6 +509,54 @@ def test_trap_a_direct_call_in_flight_when_an_export_begins_finishes_with_real_w
     other.join()
     assert type(got[0]) is torch.Tensor, repr(got[0])
     torch.testing.assert_close(got[0], expected)
+    assert len(f.captures) == 1 and not f.fallback_reason
+
+
+class _ReadDuringExport(torch.nn.Module):
+    """Starts, once, while it is traced, a thread that reads its weights the ways a monitor, a
+    checkpoint saver or an EMA update does; the thread is not waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+        self.read = queue.Queue()  # not a list: the export puts a module's lists back as they were
+
+    def forward(self, x):
+        if torch.compiler.is_exporting() and self.read.empty():
+            self.read.put(threading.current_thread())
+            threading.Thread(target=_read_weights, args=(self, self.read)).start()
+        return self.norm(self.fc(x))
+
+
+def _read_weights(model: torch.nn.Module, into: queue.Queue) -> None:
+    try:
+        with torch.no_grad():
+            read = {"state_dict": {k: v.clone() for k, v in model.state_dict().items()},
+                    "parameters": [p.clone() for p in model.parameters()],
+                    "attribute": model.fc.weight.norm()}
+    except Exception as error:  # collected, asserted below
+        read = {"raised": error}
+    into.put(read)
+
+
+def test_trap_weights_read_from_another_thread_during_an_export_are_the_real_ones():
+    """torch.export swaps a model's parameters for fake tensors on the model itself: a monitor
+    thread summing weight norms, a checkpoint saver's ``state_dict()`` or an EMA update got
+    FakeTensors or an AssertionError from fake mode, and the capture failed with it. Reads of
+    the traced model's weights from other threads now wait for the export to end."""
+    torch.manual_seed(0)
+    model, x = _ReadDuringExport().eval(), torch.randn(2, 4)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    f = cr.compile(model)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model(x))
+    model.read.get(timeout=5)  # the tracing thread
+    read = model.read.get(timeout=30)
+    assert "raised" not in read, repr(read.get("raised"))
+    assert all(type(v) is torch.Tensor for v in read["state_dict"].values()), read["state_dict"]
+    torch.testing.assert_close(read["state_dict"], expected)
+    torch.testing.assert_close(read["parameters"], list(expected.values()))
+    torch.testing.assert_close(read["attribute"], expected["fc.weight"].norm())
     assert len(f.captures) == 1 and not f.fallback_reason
 
 
