@@ -117,3 +117,30 @@ def test_trainable_tensors_outside_modules_keep_their_gradient_after_serving(cas
         out = f(h)  # grad mode on: the trainable tensor needs its gradient
     out.sum().backward()
     torch.testing.assert_close(leaf.grad, h.sum(0))
+
+
+def test_trap_one_evaluation_call_an_epoch_leaves_the_function_served_once_training_ends():
+    """A loop that evaluates one batch an epoch through ``f``: each capture's weights changed
+    before it served a call, which spends the re-capture budget; once spent, the function fell
+    back for good and stayed eager after training ended. While the weights keep changing between
+    calls it now waits, eagerly, and captures once they hold still between two calls."""
+    cr.config.recapture_limit = 2
+    model = _model()
+    f = cr.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train, held_out = _batches(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5):
+            model.train()
+            model(train).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                torch.testing.assert_close(f(held_out), model(held_out))
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(f(held_out), model(held_out))
+    assert f.state is not cr.CompiledFunction.State.Fallback, f.fallback_reason
+    assert sum(c.hits for c in f.captures) >= 1
