@@ -56,16 +56,23 @@ def test_a_float_that_varies_on_every_call_spends_it_and_the_message_says_so():
     assert f.state is Fallback
 
 
-def test_weights_that_change_before_their_graph_serves_spend_it():
+def test_weights_that_change_before_their_graph_serves_spend_it_then_wait_for_still_weights():
+    """Past the budget, weights that change between calls (a training loop) run the calls eagerly
+    without capturing, not for good: once the weights hold still between two calls, a capture."""
     cr.config.recapture_limit = 2
     model = torch.nn.Linear(4, 4).eval()
     f = cr.compile(model)
     x = torch.randn(2, 4)
-    with torch.no_grad(), pytest.warns(UserWarning, match=r"spent by 2 weights changed before its graph served a call"):
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"reached by weights that change between calls \(spent by "
+                                                           r"2 weights changed before its graph served a call\)"):
         for _ in range(5):
             model.weight.add_(0.01)  # an update on every call: no graph would ever serve
             torch.testing.assert_close(f(x), model(x))
-    assert f.state is Fallback
+    assert not f.captures and f.state is not Fallback
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(f(x), model(x))
+    assert sum(c.hits for c in f.captures) == 2  # the first still call captured
 
 
 def test_more_keys_in_rotation_than_the_cache_holds_says_to_raise_cache_size():

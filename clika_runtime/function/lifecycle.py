@@ -30,7 +30,7 @@ from clika_runtime.capture.value import Capture
 from clika_runtime.function import degrade, staleness
 from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiating, mutation
 from clika_runtime.function.planning import (
-    Decision, Eager, GiveUp, Serve, decide, learned, planned,
+    Decision, Eager, GiveUp, Serve, Settle, decide, learned, planned,
 )
 from clika_runtime.function.table import (
     CacheTable, State, empty, retrying_refused, swapped, unmade, with_capture, without,
@@ -52,6 +52,7 @@ class Lifecycle(Fallbacks):
         self.table: CacheTable = empty(0)
         self._inflight: set[tuple[int, CallKey]] = set()
         self._warned: set[str] = set()
+        self._still: Callable[[], bool] | None = None  # past a Settle: were the weights written since?
 
     def swap(self, table: CacheTable) -> None:
         """Install a new table (the caller holds the lock)."""
@@ -157,6 +158,8 @@ class Lifecycle(Fallbacks):
             self._say_once(differentiating(needing))
             return Eager(), call, table.generation
         decision = decide(table, call, target.options, target.owner)
+        if isinstance(decision, Settle):
+            decision = decision.plan if self._held_still() else Eager(decision.why)
         if isinstance(decision, CapturePlan):
             token = (table.generation, decision.call.key)
             if token in self._inflight or TARGETS.shared_here():
@@ -164,6 +167,12 @@ class Lifecycle(Fallbacks):
                 return Eager(), call, table.generation
             self._inflight.add(token)
         return decision, call, table.generation
+
+    def _held_still(self) -> bool:
+        """Whether no parameter or buffer of the model was written since the last call that asked
+        (``Settle``: the first one after the budget ran out finds nothing to compare with)."""
+        still, self._still = self._still, weights.written_later(self.target.owner)
+        return still is not None and not still()
 
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
