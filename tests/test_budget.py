@@ -72,7 +72,7 @@ def test_weights_that_change_before_their_graph_serves_spend_it_then_wait_for_st
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(f(x), model(x))
-    assert sum(c.hits for c in f.captures) == 2  # the first still call captured
+    assert sum(c.hits for c in f.captures) == 1  # the second call in a row with still weights captured
 
 
 def test_more_keys_in_rotation_than_the_cache_holds_says_to_raise_cache_size():

@@ -467,7 +467,7 @@ def test_a_model_changed_while_every_capture_is_made_runs_eagerly_past_the_budge
         assert next(model.traces) == traced + 1 and not f.captures  # no export past the budget
         model.stepping = False
         with torch.no_grad():
-            for _ in range(3):
+            for _ in range(4):  # the last step, two calls with still weights, a capture, a hit
                 torch.testing.assert_close(f(x), model(x))
     assert any("hold still" in str(w.message) for w in said), [str(w.message) for w in said]
     assert f.state is not State.Fallback and sum(c.hits for c in f.captures) >= 1

@@ -42,6 +42,7 @@ from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey, Unkeyable
 
 logger = logging.getLogger("clika_runtime")
+STILL_CALLS = 2  # calls in a row with unwritten weights after which a Settle captures
 
 
 class Lifecycle(Fallbacks):
@@ -52,7 +53,7 @@ class Lifecycle(Fallbacks):
         self.table: CacheTable = empty(0)
         self._inflight: set[tuple[int, CallKey]] = set()
         self._warned: set[str] = set()
-        self._still: Callable[[], bool] | None = None  # past a Settle: were the weights written since?
+        self._still: tuple[Callable[[], bool], int] | None = None  # past a Settle: written since? calls still
 
     def swap(self, table: CacheTable) -> None:
         """Install a new table (the caller holds the lock)."""
@@ -169,10 +170,13 @@ class Lifecycle(Fallbacks):
         return decision, call, table.generation
 
     def _held_still(self) -> bool:
-        """Whether no parameter or buffer of the model was written since the last call that asked
-        (``Settle``: the first one after the budget ran out finds nothing to compare with)."""
-        still, self._still = self._still, weights.written_later(self.target.owner)
-        return still is not None and not still()
+        """Whether no parameter or buffer of the model was written over the last ``STILL_CALLS``
+        calls that asked (``Settle``): a loop that evaluates twice between steps captures nothing
+        the next step would drop."""
+        last, calls = self._still or (None, 0)
+        calls = calls + 1 if last is not None and not last() else 0
+        self._still = (weights.written_later(self.target.owner), calls)
+        return calls >= STILL_CALLS
 
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
