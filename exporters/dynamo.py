@@ -195,6 +195,7 @@ def export_graph(
     optimize: bool = True,
     owner: torch.nn.Module | None = None,
     guard_nan: bool = True,
+    parked: Callable[[int], bool] | None = None,
 ) -> ExportedGraph:
     """Export ``fn(*examples) -> flat output leaves`` to ONNX with torch.export.
 
@@ -214,12 +215,15 @@ def export_graph(
         owner: the module whose weights the graph carries, if any.
         guard_nan: serve max pools bare unless a NaN reaches them (``nan_guard``): for CPU graphs;
             on CUDA the guard's ``If`` would copy its condition to the host on every run.
+        parked: whether a thread (by id) waits on the caller and uses nothing of the model
+            meanwhile: the export does not wait for such a thread to leave the model
+            (``other_threads.held``).
 
     Raises:
         RuntimeError: the exporter failed; the message holds its root cause.
     """
     flat = _Flat(fn, owner)
-    program = _exported(flat, examples, input_names, dynamic, optimize, owner)
+    program = _exported(flat, examples, input_names, dynamic, optimize, owner, parked)
     numbers = _numbers(program.exported_program, examples)
     number_symbols = {symbol: input_names[i] for symbol, i in numbers.pop("symbols").items()}
     graph_leaves = flat.plan()["graph_leaves"]
@@ -244,12 +248,12 @@ def export_graph(
     )
 
 
-def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str],
-              dynamic: Sequence[Mapping[int, Any]], optimize: bool, owner: torch.nn.Module | None) -> Any:
+def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str], dynamic: Sequence[Mapping[int, Any]],
+              optimize: bool, owner: torch.nn.Module | None, parked: Callable[[int], bool] | None) -> Any:
     """The exporter's program; its failures as one ``RuntimeError`` with the root cause, a trace
     that writes buffers as ``WritesState``."""
     try:
-        with _EXPORTING, held(flat), quiet(), _fx_sources_dropped(), _tracer_patches_in_this_thread(flat), \
+        with _EXPORTING, held(flat, parked), quiet(), _fx_sources_dropped(), _tracer_patches_in_this_thread(flat), \
                 _inference_parameters_frozen(owner), fast_paths.encoders_as_in_eager(owner):
             # In a copy of the context: every `config.patch(...)` torch enters makes a ContextVar
             # of its own, which stays in the context that set it for good (5 a capture); in a

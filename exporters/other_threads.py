@@ -44,10 +44,11 @@ _GATED = ("__call__", "__getattr__", "__setattr__", "state_dict", "load_state_di
 
 
 @contextlib.contextmanager
-def held(traced: torch.nn.Module) -> Iterator[None]:
+def held(traced: torch.nn.Module, parked: Callable[[int], bool] | None = None) -> Iterator[None]:
     """While the block runs, other threads' uses of ``traced``'s modules wait for it to end, and
-    it starts once the calls of them already running have ended (see the module's doc)."""
-    gate = _Gate(frozenset(id(m) for m in traced.modules()), threading.get_ident())
+    it starts once the uses of them already running have ended (see the module's doc), but in
+    threads ``parked`` says wait on this one (they use nothing of the model meanwhile)."""
+    gate = _Gate(frozenset(id(m) for m in traced.modules()), threading.get_ident(), parked or _nobody)
     originals = {name: getattr(torch.nn.Module, name) for name in _GATED}
     gates = {name: gate.wrap(method) for name, method in originals.items()}
     for name, gated in gates.items():
@@ -63,8 +64,8 @@ def held(traced: torch.nn.Module) -> Iterator[None]:
 
 
 class _Gate:
-    def __init__(self, mine: frozenset[int], here: int) -> None:
-        self.mine, self.here = mine, here
+    def __init__(self, mine: frozenset[int], here: int, parked: Callable[[int], bool]) -> None:
+        self.mine, self.here, self.parked = mine, here, parked
         self.codes: frozenset[Any] = frozenset()  # the methods' code: a frame of one is a use in progress
         self.draining = True
         self.done = threading.Event()
@@ -91,7 +92,7 @@ class _Gate:
     def drain(self, codes: frozenset[Any]) -> None:
         self.codes = codes
         deadline = time.monotonic() + DRAIN_FOR
-        while time.monotonic() < deadline and _running_elsewhere(self.mine, self.here, codes):
+        while time.monotonic() < deadline and _running_elsewhere(self.mine, self.here, codes, self.parked):
             time.sleep(_POLL)
         self.draining = False
 
@@ -114,8 +115,13 @@ def _inside(frame: Any, mine: frozenset[int], codes: frozenset[Any]) -> bool:
     return False
 
 
-def _running_elsewhere(mine: frozenset[int], here: int, codes: frozenset[Any]) -> bool:
-    return any(_inside(frame, mine, codes) for thread, frame in sys._current_frames().items() if thread != here)
+def _running_elsewhere(mine: frozenset[int], here: int, codes: frozenset[Any], parked: Callable[[int], bool]) -> bool:
+    return any(_inside(frame, mine, codes) for thread, frame in sys._current_frames().items()
+               if thread != here and not parked(thread))
+
+
+def _nobody(thread: int) -> bool:
+    return False
 
 
 def _traced_tensor(args: tuple, kwargs: dict) -> bool:

@@ -645,3 +645,46 @@ def test_prints_of_other_threads_during_an_export_without_a_console_write_nothin
     f = cr.compile(target)
     f(torch.randn(2, 3))
     assert not raised and len(f.captures) == 1
+
+
+class _CallsCompiled(torch.nn.Module):
+    """A model whose forward, in a direct call from another thread, waits until an export holds
+    the library's process-wide turn, then calls a compiled function (which waits for that turn)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.inner = inner
+
+    def forward(self, x):
+        if threading.current_thread() is not threading.main_thread():
+            deadline = time.monotonic() + 30
+            while not TARGETS._exclusive and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return self.inner(self.fc(x))
+        return self.fc(x)
+
+
+def test_an_export_does_not_wait_for_a_thread_inside_its_model_that_waits_for_the_export():
+    """A thread inside a call of the traced model (``generate`` stepping a model whose forward is
+    compiled) that waits for its turn behind the export uses nothing of the model meanwhile: the
+    export does not wait for it to leave (it waited 10 s, the bound of that wait)."""
+    torch.manual_seed(0)
+    model, x = _CallsCompiled(cr.compile(torch.nn.Linear(4, 4).eval())).eval(), torch.randn(2, 4)
+    got: list = []
+
+    def direct() -> None:
+        with torch.no_grad():
+            got.append(model(x))
+
+    other = threading.Thread(target=direct)
+    other.start()
+    f = cr.compile(model)
+    started = time.monotonic()
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model.fc(x))
+    took = time.monotonic() - started
+    other.join(60)
+    assert not other.is_alive() and len(got) == 1
+    torch.testing.assert_close(got[0], model.inner(model.fc(x)))
+    assert took < 8, f"the first call took {took:.1f} s"

@@ -28,6 +28,7 @@ class SharedExclusive:
         self._exclusive = False
         self._waiting = 0  # exports waiting for their turn
         self._mine = threading.local()  # this thread's holds: count (shared), exporting (exclusive)
+        self._parked: set[int] = set()  # threads waiting to hold it shared
 
     def shared_here(self) -> bool:
         """Whether this thread holds it shared already."""
@@ -37,12 +38,22 @@ class SharedExclusive:
         """Whether this thread holds it exclusive (it is exporting)."""
         return getattr(self._mine, "exporting", False)
 
+    def parked(self, thread: int) -> bool:
+        """Whether ``thread`` waits to hold it shared: it runs nothing of a target until the
+        export that holds it ends (an export does not wait for such a thread to leave its model)."""
+        return thread in self._parked
+
     @contextmanager
     def shared(self) -> Iterator[None]:
         """Hold the target with others (an eager call)."""
         with self._cond:
             if not self.shared_here() and not self.exclusive_here():
-                self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+                me = threading.get_ident()
+                self._parked.add(me)
+                try:
+                    self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+                finally:
+                    self._parked.discard(me)
             self._sharing += 1
             self._mine.count = getattr(self._mine, "count", 0) + 1
         try:

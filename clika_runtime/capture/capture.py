@@ -52,14 +52,15 @@ def build(
     optimize: bool, place: serving.Place, parameters: Sequence[str],
     exporting: Callable[[], ContextManager[Any]] = contextlib.nullcontext, work_dir: str | None = None,
     precision: str = FP32, agreement: Agreement = Agreement(), elsewhere: bool = False,
-    on_trace: Callable[[], None] | None = None,
+    on_trace: Callable[[], None] | None = None, parked: Callable[[int], bool] | None = None,
 ) -> Capture:
     """Export, write the graph to a folder (under ``work_dir``), open a session and verify.
     Raises ``CaptureError`` (``VerificationError``) with why. ``elsewhere``: a graph with dynamic
     axes is verified at a second size too (``second_size``), which runs the target once more
     (the caller says when that is safe: no state it writes, no hooks that keep what they see).
 
-    ``exporting`` is held around the export: the target must not run eagerly meanwhile.
+    ``exporting`` is held around the export: the target must not run eagerly meanwhile; ``parked``
+    says which threads wait for it (``exporters.export_graph``).
     ``precision``: a reduced one (``int8``, ``fp16``) serves when its graph meets ``agreement``
     with eager; else the fp32 graph serves and ``Capture.precision_note`` says why.
     ``on_trace`` is called each time the export has run the target's Python, as it returns: what
@@ -68,7 +69,7 @@ def build(
     try:
         with torch.inference_mode(False), torch.no_grad():
             capture = _build(plan, eager_out, target, forms, owner, output_names, output_axes, graph_name, optimize,
-                             place, parameters, exporting, work_dir, precision, agreement, on_trace)
+                             place, parameters, exporting, work_dir, precision, agreement, on_trace, parked)
             if elsewhere and capture.precision is None:
                 second_size(capture, plan, _tracer(plan, target, forms),
                             output_names_of(eager_out, trees.flatten(eager_out)[0], output_names, plan.call.names))
@@ -83,7 +84,7 @@ def _build(
     plan: CapturePlan, eager_out: Any, target: Callable[..., Any], forms: CallForms, owner: torch.nn.Module | None,
     output_names: Sequence[str] | None, output_axes: dict, graph_name: str, optimize: bool, place: serving.Place,
     parameters: Sequence[str], exporting: Callable[[], ContextManager[Any]], work_dir: str | None,
-    precision: str, agreement: Agreement, on_trace: Callable[[], None] | None,
+    precision: str, agreement: Agreement, on_trace: Callable[[], None] | None, parked: Callable[[int], bool] | None,
 ) -> Capture:
     phases: dict[str, float] = {}
     call = plan.call
@@ -96,7 +97,7 @@ def _build(
     started = time.perf_counter()
     with exporting():  # also while looking up the baked tensors: no other export swaps them for fakes
         exported = _export(plan, trace, names, eager_leaves, graph_name, output_axes, optimize, owner,
-                           guard_nan=place.device == "cpu")
+                           guard_nan=place.device == "cpu", parked=parked)
         baked = tuple(bake(exported.state, exported.constants_read, owner, target))
     phases["export"] = time.perf_counter() - started
     guard = _guard(plan, exported, list(call.feeds), place)
@@ -240,6 +241,7 @@ def _free(name: str, taken: set[str]) -> str:
 def _export(
     plan: CapturePlan, trace: Callable[..., list[Any]], names: list[str], eager_leaves: list[Any], graph_name: str,
     output_axes: dict, optimize: bool, owner: torch.nn.Module | None, guard_nan: bool,
+    parked: Callable[[int], bool] | None,
 ) -> exporters.ExportedGraph:
     call = plan.call
     dynamic = [dict(d) for d in plan.dynamic]
@@ -250,7 +252,7 @@ def _export(
                 trace, _distinct(call.feeds), input_names=list(call.names), output_names=names,
                 output_dtypes=[_output_dtype(leaf) for leaf in eager_leaves],
                 dynamic=dynamic, graph_name=graph_name, output_dims=output_axes, optimize=optimize, owner=owner,
-                guard_nan=guard_nan,
+                guard_nan=guard_nan, parked=parked,
             )
         except exporters.Uncapturable as e:
             raise UncapturableError(str(e)) from e

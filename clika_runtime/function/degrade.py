@@ -205,7 +205,7 @@ def _build_once(target: Target, plan: CapturePlan, out: Any, work_dir: Any, else
         plan, out, target=target.fn, forms=target.forms, owner=target.owner, output_names=target.output_names,
         output_axes={n: dict(a) for n, a in target.options.dynamic_axes.items() if n not in inputs},
         graph_name=target.graph_name, optimize=target.optimize, place=target.place_for(plan.call.feeds),
-        parameters=target.forms.positional, exporting=TARGETS.exclusive, work_dir=work_dir,
+        parameters=target.forms.positional, exporting=TARGETS.exclusive, parked=TARGETS.parked, work_dir=work_dir,
         precision=target.precision, agreement=target.agreement_now(), elsewhere=elsewhere, on_trace=on_trace,
     )
 
