@@ -611,18 +611,19 @@ def test_trap_a_forward_that_calls_its_modules_on_a_thread_pool_runs_eagerly_and
     assert not f.captures and any("another thread" in s for s in said), said
 
 
+def _prints_while_traced(x):
+    """Another thread prints while this function is exported."""
+    if torch.compiler.is_exporting():
+        other = threading.Thread(target=print, args=("a line from another thread",))
+        other.start()
+        other.join()
+    return x + 1
+
+
 def test_trap_what_other_threads_print_during_an_export_is_printed(capfd):
     """The export's own chatter is kept off the console by swapping ``sys.stdout``, which is the
     whole process's: a server's request logs printed by other threads meanwhile were lost."""
-
-    def target(x):
-        if torch.compiler.is_exporting():
-            other = threading.Thread(target=print, args=("a line from another thread",))
-            other.start()
-            other.join()
-        return x + 1
-
-    f = cr.compile(target)
+    f = cr.compile(_prints_while_traced)
     f(torch.randn(2, 3))
     assert "a line from another thread" in capfd.readouterr().out
     assert len(f.captures) == 1
@@ -634,15 +635,7 @@ def test_prints_of_other_threads_during_an_export_without_a_console_write_nothin
     raised: list = []
     monkeypatch.setattr(sys, "stdout", None)
     monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
-
-    def target(x):
-        if torch.compiler.is_exporting():
-            other = threading.Thread(target=print, args=("a line",))
-            other.start()
-            other.join()
-        return x + 1
-
-    f = cr.compile(target)
+    f = cr.compile(_prints_while_traced)
     f(torch.randn(2, 3))
     assert not raised and len(f.captures) == 1
 
