@@ -11,6 +11,7 @@ import random
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -681,3 +682,50 @@ def test_an_export_does_not_wait_for_a_thread_inside_its_model_that_waits_for_th
     assert not other.is_alive() and len(got) == 1
     torch.testing.assert_close(got[0], model.inner(model.fc(x)))
     assert took < 8, f"the first call took {took:.1f} s"
+
+
+class _SetDuringExport(torch.nn.Module):
+    """While traced (once), another thread sets ``temperature`` on the model (which waits for the
+    export to end) or ``config.scale`` on a plain object (which does not)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.temperature = 1.0
+        self.config = types.SimpleNamespace(scale=1.0)
+        self.what, self.started = what, queue.Queue()
+
+    def forward(self, x):
+        if torch.compiler.is_exporting() and self.started.empty():
+            setter = threading.Thread(target=_set_later, args=(self, self.what))
+            self.started.put(setter)
+            setter.start()
+            if self.what == "config.scale":
+                setter.join()
+        return self.fc(x) / self.temperature * self.config.scale
+
+
+def _set_later(model: torch.nn.Module, what: str) -> None:
+    if what == "temperature":
+        model.temperature = 2.0
+    else:
+        model.config.scale = 5.0
+
+
+@pytest.mark.parametrize("what", ["temperature", "config.scale"])
+def test_trap_an_attribute_another_thread_sets_during_the_export_is_seen_by_the_next_call(what):
+    """``temperature`` set on the model during the export waits for the export to end, and then
+    landed before the capture's watch was made: the watch read 2.0, the graph had baked 1.0, and
+    the graph served 0.63 off for good. ``config.scale`` on a plain object is set at once: the
+    trace read 5.0, the eager run 1.0, and that failed verification refused the key for good."""
+    torch.manual_seed(0)
+    model, x = _SetDuringExport(what).eval(), torch.randn(2, 4)
+    f = cr.compile(model)
+    with warnings.catch_warnings(record=True) as said, torch.no_grad():
+        warnings.simplefilter("always")
+        f(x)
+        model.started.get(timeout=5).join(30)
+        for _ in range(3):
+            torch.testing.assert_close(f(x), model(x))
+    assert not [w for w in said if "eagerly" in str(w.message)], [str(w.message) for w in said]
+    assert sum(c.hits for c in f.captures) >= 1

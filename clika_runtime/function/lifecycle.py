@@ -321,14 +321,16 @@ def _meanwhile(owner: torch.nn.Module | None, call: Call, ran: staleness.Written
                rewrites: _Rewrites, weights_written: Callable[[], bool]) -> str | None:
     """Why a graph disagreed with its eager run when another thread changed the model while it was
     made (a training step's in-place update, an attribute set after the eager run read it): the
-    failure is the change's, not the graph's. ``None``: nothing changed but what the target wrote."""
+    failure is the change's, not the graph's. Another thread's are the entries that moved after
+    the eager run but not in it, and those that moved in it but not again when traced.
+    ``None``: nothing changed but what the target wrote."""
     if _switched(owner, call):
         return _SWITCHED
     if weights_written():
         return "model changed while capturing: weights written in place"
     with TARGETS.shared():
-        now = after.moved()
-    others = now if rewrites.moved is None else (ran | now) - rewrites.moved
+        since = after.moved() - ran  # moved after the eager run, which did not write it
+    others = since if rewrites.moved is None else since | (ran - rewrites.moved)
     return f"model changed while capturing: {staleness.words(others)}" if others else None
 
 

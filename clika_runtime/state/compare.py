@@ -134,20 +134,29 @@ def reread(part: Part) -> Part:
 
 
 def without(part: Part, skip: frozenset[tuple[str, str]]) -> Part | None:
-    """``part`` without the keys in ``skip``; a part that is not a dictionary is left out whole."""
+    """``part`` without the keys in ``skip``, the others' values as recorded; a part that is not a
+    dictionary is left out whole."""
     left = [key for key in part.keys if (part.name, key) not in skip]
     if len(left) == len(part.keys):
         return part
     if part.read in (_contents, _cells):  # a closure: its other cells stay watched
         cells = (part.container,) if len(part.keys) == 1 else part.container
-        pairs = [(cell, key) for cell, key in zip(cells, part.keys) if key in left]
-        return cells_part(tuple(c for c, _ in pairs), tuple(k for _, k in pairs)) if pairs else None
+        kept_cells = [(cell, key, value) for cell, key, value in zip(cells, part.keys, part.values) if key in left]
+        if not kept_cells:
+            return None
+        fewer = cells_part(tuple(c for c, _, _ in kept_cells), tuple(k for _, k, _ in kept_cells))
+        return replace(fewer, values=tuple(v for _, _, v in kept_cells))
     if not isinstance(part.container, dict):
         return None
-    fewer = dict_part(part.name, part.container, left, sized=part.size is not None,
-                       whole=any(k in MODULE_PRIVATE for k in left))
-    return replace(fewer, variables=part.variables, per_call=part.per_call, hidden=part.hidden & set(left),
-                   only=part.only)
+    return replace(subset(part, left), hidden=part.hidden & set(left))
+
+
+def subset(part: Part, keys: list[str]) -> Part:
+    """``part`` watching only ``keys`` (some of its own), with the values, size and keys it
+    recorded: not read again, so a change made since (another thread's) is still a change."""
+    recorded = dict(zip(part.keys, part.values))
+    return replace(part, keys=tuple(keys), read=operator.itemgetter(*keys) if keys else None,
+                   values=tuple(recorded[key] for key in keys))
 
 
 def word(part: Part, key: str) -> str:

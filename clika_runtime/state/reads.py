@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping
 
 from clika_runtime.base.libraries import library_package
-from clika_runtime.state.compare import Part, dict_part
+from clika_runtime.state.compare import Part, subset
 
 _WHOLE = frozenset({"vars", "__dict__"})  # the user's code reading every attribute at once
 _CLOSED_OVER = 4  # rounds of methods found through names (a method calling a method ...)
@@ -116,5 +116,4 @@ def _translates(cls: type) -> bool:
 
 
 def _kept(part: Part, keys: list[str], only: frozenset[str] | None) -> Part:
-    fewer = dict_part(part.name, part.container, keys, sized=True)
-    return replace(fewer, variables=part.variables, per_call=part.per_call, only=only)
+    return replace(subset(part, keys), only=only)
