@@ -4,6 +4,8 @@ re-captures (``recapture_count``) that spend nothing; ``config.cache_size`` boun
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import Counted
@@ -104,3 +106,24 @@ def test_drift_still_spends_it():
         torch.testing.assert_close(f(torch.ones(3, 4)), torch.ones(3, 4).sum(1))  # served by its graph
         torch.testing.assert_close(f(torch.ones(6, 4)), torch.ones(6, 4).sum(0))  # eager
     assert target.calls == calls + 1
+
+
+def test_a_budget_spent_by_changing_weights_waits_for_still_weights_whatever_the_last_reason():
+    """Checkpoints reloaded while requests of several batch sizes arrived: changing weights spent
+    the budget, and a shape drift took its last unit, so the function fell back for good and
+    stayed eager once the reloads stopped. A budget spent mostly by weights that changed between
+    calls waits for still weights, whatever spends the last unit."""
+    cr.config.recapture_limit = 2
+    model = torch.nn.Linear(4, 4).eval()
+    f = cr.compile(model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            model.weight.add_(0.01)  # an update on every call: each graph dropped before it serves
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(f(x), model(x))
+        for batch in (2, 5, 5, 5, 5):
+            x = torch.randn(batch, 4)
+            torch.testing.assert_close(f(x), model(x))
+    assert f.state is not Fallback, f.fallback_reason
+    assert sum(c.hits for c in f.captures) >= 1

@@ -160,7 +160,8 @@ class Lifecycle(Fallbacks):
             return Eager(), call, table.generation
         decision = decide(table, call, target.options, target.owner)
         if isinstance(decision, Settle):
-            decision = decision.plan if self._held_still() else Eager(decision.why)
+            decision = decision.otherwise if target.owner is None else \
+                decision.plan if self._held_still() else Eager(decision.why)
         if isinstance(decision, CapturePlan):
             token = (table.generation, decision.call.key)
             if token in self._inflight or TARGETS.shared_here():

@@ -62,6 +62,7 @@ class Settle:
 
     plan: CapturePlan
     why: str
+    otherwise: GiveUp  # for a target with no module, whose weights have no versions to wait on
 
 
 Decision = Union[Serve, Eager, CapturePlan, GiveUp, Settle]
@@ -87,7 +88,7 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     spends = bool(lift_reasons) or (table.pending_spends if table.pending else _a_number_varies(table, call))
     plan = CapturePlan(call, _initial_dynamic(table, call, options), declared_axes(call, options), reason,
                        untied=table.knowledge.untied, spends=spends)
-    return _budgeted(table, plan, owner)
+    return _budgeted(table, plan)
 
 
 def _a_number_varies(table: CacheTable, call: Call) -> bool:
@@ -208,25 +209,36 @@ def _split(capture: "Capture", problems: Sequence[Any], call: Call) -> frozenset
     return frozenset(pairs)
 
 
-def _budgeted(table: CacheTable, plan: CapturePlan, owner: torch.nn.Module | None = None) -> Decision:
+def _budgeted(table: CacheTable, plan: CapturePlan) -> Decision:
     limit = config.recapture_limit
     if plan.reason is not None and len(table.spent) >= limit:  # past that much waste, every re-capture stops
         if plan.variant:  # the key's graphs keep serving the sizes they were traced for, as torch.compile's
             return Eager(f"re-capture limit ({limit}) reached: calls at sizes no graph of their key was traced "
                          f"for run eagerly, the others are served (spent by {_spent(table.spent)})")
-        if owner is not None and plan.reason.split(":")[0] in _MOVING:
-            return Settle(plan, f"re-capture limit ({limit}) reached by weights that change between calls (spent by "
-                                f"{_spent(table.spent)}): calls run eagerly while they do, and capture once they "
-                                "hold still between two calls")
         hint = ("; a number that varies between calls feeds the graph when passed as a tensor "
                 "(torch.tensor(value))") if plan.spends and plan.reason.startswith("static value changed") else ""
-        return GiveUp(f"re-capture limit ({limit}) reached; last: {plan.reason}{hint}; spent by {_spent(table.spent)}")
+        given_up = GiveUp(f"re-capture limit ({limit}) reached; last: {plan.reason}{hint}; "
+                          f"spent by {_spent(table.spent)}")
+        if _moving(plan.reason, table.spent):
+            return Settle(plan, f"re-capture limit ({limit}) reached by weights that change between calls (spent by "
+                                f"{_spent(table.spent)}): calls run eagerly while they do, and capture once they "
+                                "hold still between two calls", given_up)
+        return given_up
     return plan
 
 
 # Kinds of re-capture whose cause is a model that changes between calls (a training loop): past the
 # budget they wait for still weights (``Settle``) instead of giving up for good.
 _MOVING = ("weights changed", "model changed while capturing")
+
+
+def _moving(reason: str, spent: Sequence[str]) -> bool:
+    """Whether the model changing between calls is what spent the budget: this re-capture's
+    reason, or most of what spent it (a shape drift may take the last unit)."""
+    kinds = [r.split(":")[0] for r in spent]
+    return reason.split(":")[0] in _MOVING or sum(k in _MOVING for k in kinds) * 2 > len(kinds)
+
+
 # Kinds of re-capture that spend the budget only when the graph they replace served no call (table.without).
 _UNSERVED = {"weights changed", "state changed"}
 
