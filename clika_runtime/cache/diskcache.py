@@ -4,7 +4,8 @@ Layout under the cache directory (``config.cache_dir``)::
 
     entries/<capture key>/   model.onnx [model.onnx.data] entry.json [optimized-<machine>.onnx]
     functions/<function key>.json   what drift taught a function (its dynamic axes)
-    work/                    folders of live captures and entries being written
+    work/                    folders of live captures and entries being written, each named
+                             after its process (``base.owners``): those of dead processes go
 
 Writes are atomic: an entry is written into ``work/`` and renamed into ``entries/`` (a reader
 never sees half of one; when two processes write one key, the first rename wins and both end
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from clika_runtime.base.config import config
+from clika_runtime.base.owners import abandoned, owned
 from clika_runtime.base.saying import say
 
 logger = logging.getLogger("clika_runtime")
@@ -72,6 +74,15 @@ class DiskCache:
             (root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
         root.chmod(0o700)
         self._real = root.resolve()
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Remove the folders in ``work/`` that processes of this host left when they died (a
+        server stopped by SIGKILL runs no clean-up): live captures' graphs, entries half written."""
+        for folder in self.work.iterdir():
+            if abandoned(folder.name):
+                shutil.rmtree(folder, ignore_errors=True)
+                logger.debug("disk cache: removed %s, left by a process that is gone", folder.name)
 
     @property
     def work(self) -> Path:
@@ -111,7 +122,7 @@ class DiskCache:
                       f"than the capture cache's bound (cr.config.cache_max_bytes = {self.max_bytes / 2**30:.1f} "
                       "GiB): not kept for later processes; raise cache_max_bytes for warm starts")
             return
-        staging = Path(tempfile.mkdtemp(prefix="entry-", dir=self.work))
+        staging = Path(tempfile.mkdtemp(prefix=owned("entry"), dir=self.work))
         try:
             for path in files:
                 link_or_copy(path, staging / path.name)
@@ -167,10 +178,11 @@ class DiskCache:
         return sum(p.stat().st_size for p in (self.root / "entries").rglob("*") if p.is_file())
 
     def clear(self) -> None:
-        """Remove every entry and everything learned."""
+        """Remove every entry, everything learned, and what dead processes left (``sweep``)."""
         for sub in ("entries", "functions"):
             shutil.rmtree(self.root / sub, ignore_errors=True)
             (self.root / sub).mkdir(mode=0o700, exist_ok=True)
+        self.sweep()
 
     def _evict(self) -> None:
         entries = self.entries()

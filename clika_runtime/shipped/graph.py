@@ -14,6 +14,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from clika_runtime.base.owners import owned
 from clika_runtime.base.precision import Agreement
 from clika_runtime.base.specs import PlaceLike
 from clika_runtime.format import digest, graphfile, metadata, writing
@@ -198,7 +199,8 @@ class GraphFolder:
     _OPTIMIZED = "optimized-"
 
     def __init__(self, parent: str | os.PathLike | None = None) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix="clika_runtime_", dir=parent))
+        # Named after this process: a cache's ``work/`` folder removes those a dead process left.
+        self.path = Path(tempfile.mkdtemp(prefix=owned("clika_runtime"), dir=parent))
         # Removed with its last reference (a TemporaryDirectory would also do it, with a ResourceWarning).
         self._remove = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
 

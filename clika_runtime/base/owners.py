@@ -1,0 +1,35 @@
+"""Folders named after the process that made them, so that another process can tell the ones a
+dead process left (SIGKILL, or SIGTERM's default action, runs no clean-up) from live ones."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+
+# This host, as a name part without dots: a pid means nothing on another host (or in another
+# container sharing the folder).
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12]
+
+
+def owned(kind: str) -> str:
+    """A folder name prefix that names this process and host: ``kind.pid.host.``."""
+    return f"{kind}.{os.getpid()}.{_HOST}."
+
+
+def abandoned(name: str) -> bool:
+    """Whether a folder named with ``owned`` belongs to a process of this host that is gone."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[2] != _HOST or not parts[1].isdigit():
+        return False  # another host's, or not named by us: not ours to judge
+    return not _alive(int(parts[1]))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
