@@ -12,7 +12,9 @@ for it to end.
 
 A call from another thread that is given the trace's own tensors is the traced function's work
 done on a thread pool: a trace follows one thread, so that call raises ``InOtherThread`` (the
-export fails saying why) instead of waiting for an export that waits for it.
+export fails saying why) instead of waiting for an export that waits for it. A use that has
+waited ``STUCK_AFTER`` seconds for an export whose thread has not moved raises it too: that thread
+may wait for something the waiting one holds (a lock both take), and neither would ever go on.
 """
 
 from __future__ import annotations
@@ -32,10 +34,16 @@ import torch
 # ahead, and that use sees fakes only if it reads a tensor it already holds (not through the module).
 DRAIN_FOR = 10.0
 _POLL = 0.002
+# How long a use waits for an export whose thread has not moved (the same innermost frame at the
+# same instruction) before it raises: that thread may wait for something the waiting one holds (a
+# lock both take). A single step of an export that takes this long is not expected.
+STUCK_AFTER = 30.0
+_LOOK_EVERY = 0.25
 
 
 class InOtherThread(RuntimeError):
-    """A module of the traced model was used from another thread with the trace's tensors."""
+    """A module of the traced model was used from another thread with the trace's tensors, or
+    waited for an export that does not move."""
 
 
 # The ways another thread reaches a module's tensors: its calls, its attributes (parameters,
@@ -87,7 +95,16 @@ class _Gate:
                 "so this function cannot be exported")
         if self.draining and _inside(sys._getframe(), self.mine, self.codes):
             return  # a use running since before the export: it ends first
-        self.done.wait()
+        where, since = _position(self.here), time.monotonic()
+        while not self.done.wait(_LOOK_EVERY):
+            now = _position(self.here)
+            if now != where:
+                where, since = now, time.monotonic()
+            elif time.monotonic() - since > STUCK_AFTER:
+                raise InOtherThread(
+                    f"this thread waited {STUCK_AFTER:.0f} s to use {type(module).__name__} for an export of its model "
+                    "in another thread, which has not moved since: it may wait for something this thread holds (a "
+                    "lock taken by both); raising here lets it go on")
 
     def drain(self, codes: frozenset[Any]) -> None:
         self.codes = codes
@@ -118,6 +135,12 @@ def _inside(frame: Any, mine: frozenset[int], codes: frozenset[Any]) -> bool:
 def _running_elsewhere(mine: frozenset[int], here: int, codes: frozenset[Any], parked: Callable[[int], bool]) -> bool:
     return any(_inside(frame, mine, codes) for thread, frame in sys._current_frames().items()
                if thread != here and not parked(thread))
+
+
+def _position(thread: int) -> tuple[int, int] | None:
+    """Where ``thread`` is: its innermost frame and instruction (``None``: it has ended)."""
+    frame = sys._current_frames().get(thread)
+    return None if frame is None else (id(frame), frame.f_lasti)
 
 
 def _nobody(thread: int) -> bool:

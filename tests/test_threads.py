@@ -729,3 +729,60 @@ def test_trap_an_attribute_another_thread_sets_during_the_export_is_seen_by_the_
             torch.testing.assert_close(f(x), model(x))
     assert not [w for w in said if "eagerly" in str(w.message)], [str(w.message) for w in said]
     assert sum(c.hits for c in f.captures) >= 1
+
+
+class _Locked(torch.nn.Module):
+    """A forward under a lock that another endpoint also takes; traced, it waits until the other
+    thread holds the lock (and uses the model under it) before it asks for the lock itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 4)
+        self.lock = threading.Lock()
+        self.tracing, self.locked = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        if torch.compiler.is_exporting() and not self.tracing.is_set():
+            self.tracing.set()
+            self.locked.wait(30)
+        with self.lock:
+            return self.net(x)
+
+
+def test_a_thread_that_holds_what_an_export_waits_for_gets_an_error_not_a_deadlock(monkeypatch):
+    """Another endpoint took the model's lock and called a submodule while the export waited for
+    that lock: the call waited for the export, the export for the lock, for ever. A use that has
+    waited ``STUCK_AFTER`` seconds for an export that has not moved since raises, saying why."""
+    from exporters import other_threads
+
+    monkeypatch.setattr(other_threads, "STUCK_AFTER", 1.0, raising=False)
+    torch.manual_seed(0)
+    model, x = _Locked().eval(), torch.randn(2, 4)
+    raised: list = []
+
+    def endpoint() -> None:
+        model.tracing.wait(60)
+        with model.lock:
+            model.locked.set()
+            try:
+                with torch.no_grad():
+                    model.net(x)
+            except Exception as error:  # collected, asserted below
+                raised.append(error)
+
+    other = threading.Thread(target=endpoint, daemon=True)
+    other.start()
+    f = cr.compile(model)
+
+    def first_call() -> None:
+        with torch.no_grad():
+            f(x)
+
+    first = threading.Thread(target=first_call, daemon=True)
+    first.start()
+    first.join(30)
+    other.join(30)
+    assert not first.is_alive() and not other.is_alive(), "deadlock"
+    assert raised and "has not moved" in str(raised[0]), raised
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model.net(x))
