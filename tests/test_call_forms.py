@@ -69,3 +69,20 @@ def test_keys_of_another_type_miss_with_a_reason():
         f({1: x})
         f({True: x})
     assert f.recapture_count == 1 and "dict keys" in f.recapture_reasons[0], f.recapture_reasons
+
+
+def _either_way(a, b):
+    return a * b + 1 if isinstance(a, torch.Tensor) else b * a - 1
+
+
+def test_trap_a_tensor_and_a_number_that_swap_places_are_another_key():
+    """``f(x, 0.5)`` then ``f(0.5, x)``: the same structure, the same static values and the same
+    tensor metadata, only in other places; the key did not say which leaf was the tensor, and the
+    second call was served the first call's graph (1.5 where eager gives -0.5; with nested
+    statics, an output tree of the other shape). Found by the call-forms property test."""
+    f = cr.compile(_either_way)
+    x = torch.ones(2)
+    with torch.no_grad():
+        for args in ((x, 0.5), (x, 0.5), (0.5, x), (0.5, x), (x, 0.5)):
+            torch.testing.assert_close(f(*args), _either_way(*args))
+    assert sum(c.hits for c in f.captures) == 3 and len(f.captures) == 2

@@ -102,7 +102,8 @@ def capture_key(function: str, plan: CapturePlan, place: str) -> str:
         for v, axes in zip(call.feeds, plan.dynamic)
     ]
     parts = [function, str(call.key.structure), _statics(call.key.statics),
-             repr([(str(d), r, str(dev)) for d, r, dev, *_ in call.key.tensors]), repr(call.key.training),
+             repr([(str(d), r, str(dev)) for d, r, dev, *_ in call.key.tensors]), repr(call.key.tensor_at),
+             repr(call.key.training),
              repr(shapes), repr(sorted(call.lifted)), repr([sorted(d.items(), key=str) for d in plan.dynamic]),
              repr(plan.ties), repr(plan.variant), place]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()

@@ -80,8 +80,8 @@ class Call:
             self.canonical, self.leaves, self.structure, self.original = made.canonical, made.leaves, made.structure, made.original
             self.__dict__["paths"] = made.paths
         self.lifted = lifted if lifted is not None else _initial_lift(self, knowledge, options)
-        self.feeds, statics, metas, self.grad = split(self.leaves, self.lifted, options.shapes_in_key)
-        self.key = CallKey(self.structure, statics, metas, owner.training if owner is not None else None)
+        self.feeds, statics, metas, self.grad, tensor_at = split(self.leaves, self.lifted, options.shapes_in_key)
+        self.key = CallKey(self.structure, statics, metas, owner.training if owner is not None else None, tensor_at)
         self.positions = tuple(i for i, v in enumerate(self.leaves) if isinstance(v, _Tensor) or i in self.lifted)
 
     def with_lift(self, lifted: frozenset[int], owner: torch.nn.Module | None) -> "Call":

@@ -97,7 +97,8 @@ def _a_number_varies(table: CacheTable, call: Call) -> bool:
     structure or dtype, since a number that varies on every call would capture on every call."""
     for capture in table.captures:
         key = capture.key
-        if (key.structure, key.tensors, key.training) != (call.key.structure, call.key.tensors, call.key.training):
+        if (key.structure, key.tensors, key.tensor_at, key.training) != \
+                (call.key.structure, call.key.tensors, call.key.tensor_at, call.key.training):
             continue
         changed = [(a, b) for a, b in zip(key.statics, call.key.statics) if a != b]
         if changed and all(_number(a) and _number(b) for a, b in changed):
@@ -298,7 +299,7 @@ def call_form(call: Call) -> str:
     """A call's structure, static values and mode, without its sizes, as a digest that reads the
     same in another process: what keeps an axis static is the code a call of that form runs."""
     key = call.key
-    return hashlib.sha256(f"{key.structure}|{key.statics!r}|{key.training}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{key.structure}|{key.statics!r}|{key.tensor_at}|{key.training}".encode()).hexdigest()[:16]
 
 
 def variant_static(plan: CapturePlan) -> CapturePlan | None:
@@ -366,7 +367,7 @@ def _lift_changed_numbers(
     if options.specialize is not None:
         return call, []
     same = [c for c in table.captures if c.key.structure == call.key.structure and c.key.tensors == call.key.tensors
-            and c.key.training == call.key.training]
+            and c.key.tensor_at == call.key.tensor_at and c.key.training == call.key.training]
     if not same:
         return call, []
     old = same[-1]

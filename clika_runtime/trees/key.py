@@ -3,7 +3,7 @@
 A call is flattened to leaves. Tensors (and Python numbers lifted to graph inputs) feed the
 graph; every other leaf is static and joins the key by value. The key holds the call's structure,
 each static leaf's value, each fed tensor's dtype, rank and device (and shape when shapes are part
-of the key), and the owning module's training flag. ``explain`` words why a call missed against
+of the key), where among the leaves the tensors are, and the owning module's training flag. ``explain`` words why a call missed against
 the closest cached key, as jax does.
 """
 
@@ -30,6 +30,7 @@ class CallKey(NamedTuple):
     statics: tuple  # per static leaf, its value (``static_value``); per lifted number, ``LIFTED[type]``
     tensors: tuple  # per fed tensor: (dtype, rank, device) or (dtype, rank, device, shape)
     training: bool | None  # the owning module's training flag (None: no module)
+    tensor_at: tuple = ()  # the positions of the tensor leaves among all (``f(x, 0.5)`` is not ``f(0.5, x)``)
 
     # A structure's dict keys compare by ``==``: ``{1: x}``, ``{True: x}`` and ``{1.0: x}`` are one
     # PyTreeSpec to optree, but not one call to a target that reads the keys (or rebuilds them). Keys
@@ -170,18 +171,21 @@ def _capped(items: Any, kind: type) -> list:
 
 def split(
     leaves: Sequence[Any], lifted: frozenset[int], with_shapes: bool
-) -> tuple[list[Any], tuple, tuple, bool]:
+) -> tuple[list[Any], tuple, tuple, bool, tuple]:
     """One pass over a call's leaves: the fed leaves (tensors, lifted numbers), the static part of
-    the key, each fed tensor's dtype/rank/device (and shape), and whether a fed tensor requires grad.
+    the key, each fed tensor's dtype/rank/device (and shape), whether a fed tensor requires grad,
+    and the tensors' positions among the leaves.
 
     Raises ``Unkeyable`` (from ``static_value``) for a static leaf that cannot key a capture.
     """
     feeds = []
     statics = []
     metas = []
+    tensor_at = []
     grad = False
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, _Tensor):
+            tensor_at.append(i)
             if type(leaf) is not _Tensor and type(leaf) not in _PLAIN_TENSORS:
                 raise Unkeyable(f"a {type(leaf).__name__} (a tensor subclass: its operations are its own, "
                                 "and eager returns it) cannot feed a graph; pass x.as_subclass(torch.Tensor) "
@@ -195,7 +199,7 @@ def split(
             statics.append(Lifted(type(leaf)))
         else:
             statics.append(static_value(leaf))
-    return feeds, tuple(statics), tuple(metas), grad
+    return feeds, tuple(statics), tuple(metas), grad, tuple(tensor_at)
 
 
 # ------------------------------------------------------------------------------------------ explain
@@ -233,7 +237,7 @@ def distance(a: CallKey, b: CallKey) -> int:
         return 1000
     statics = sum(x != y for x, y in zip(a.statics, b.statics))
     tensors = sum(x != y for x, y in zip(a.tensors, b.tensors))
-    return statics + tensors + (a.training != b.training) + abs(len(a.tensors) - len(b.tensors))
+    return statics + tensors + (a.training != b.training) + abs(len(a.tensors) - len(b.tensors)) + (a.tensor_at != b.tensor_at)
 
 
 def closest(candidates: Sequence[Described], key: CallKey) -> Described | None:
