@@ -72,6 +72,8 @@ def held(traced: torch.nn.Module, parked: Callable[[int], bool] | None = None) -
 
 
 class _Gate:
+    """The wait every gated method does, for one export (made in ``held``)."""
+
     def __init__(self, mine: frozenset[int], here: int, parked: Callable[[int], bool]) -> None:
         self.mine, self.here, self.parked = mine, here, parked
         self.codes: frozenset[Any] = frozenset()  # the methods' code: a frame of one is a use in progress
