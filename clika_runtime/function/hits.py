@@ -27,7 +27,8 @@ def general(table: "CacheTable", args: tuple, kwargs: dict, with_shapes: bool, o
     lifted = table.knowledge.lifted.get(spec, NO_LIFT) if table.knowledge.lifted else NO_LIFT
     try:
         feeds, statics, metas, grad, tensor_at = split(leaves, lifted, with_shapes)
-        variants = table.entries.get(CallKey(spec, statics, metas, owner.training if owner is not None else None, tensor_at))
+        training = owner.training if owner is not None else None
+        variants = table.entries.get(CallKey(spec, statics, metas, training, tensor_at))
     except (Unkeyable, TypeError):  # a static leaf that cannot key a capture: the miss path explains it
         return MISS
     if variants is None or (grad and _grad_enabled()):

@@ -3,8 +3,8 @@
 A call is flattened to leaves. Tensors (and Python numbers lifted to graph inputs) feed the
 graph; every other leaf is static and joins the key by value. The key holds the call's structure,
 each static leaf's value, each fed tensor's dtype, rank and device (and shape when shapes are part
-of the key), where among the leaves the tensors are, and the owning module's training flag. ``explain`` words why a call missed against
-the closest cached key, as jax does.
+of the key), where among the leaves the tensors are, and the owning module's training flag.
+``explain`` words why a call missed against the closest cached key, as jax does.
 """
 
 from __future__ import annotations
@@ -237,7 +237,8 @@ def distance(a: CallKey, b: CallKey) -> int:
         return 1000
     statics = sum(x != y for x, y in zip(a.statics, b.statics))
     tensors = sum(x != y for x, y in zip(a.tensors, b.tensors))
-    return statics + tensors + (a.training != b.training) + abs(len(a.tensors) - len(b.tensors)) + (a.tensor_at != b.tensor_at)
+    moved = (a.training != b.training) + (a.tensor_at != b.tensor_at)
+    return statics + tensors + moved + abs(len(a.tensors) - len(b.tensors))
 
 
 def closest(candidates: Sequence[Described], key: CallKey) -> Described | None:
