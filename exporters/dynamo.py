@@ -194,8 +194,7 @@ def export_graph(
     output_dims: Mapping[str, Mapping[int, str | None]] | None = None,
     optimize: bool = True,
     owner: torch.nn.Module | None = None,
-    guard_nan: bool = True,
-    parked: Callable[[int], bool] | None = None,
+    guard_nan: bool = True, parked: Callable[[int], bool] | None = None,
 ) -> ExportedGraph:
     """Export ``fn(*examples) -> flat output leaves`` to ONNX with torch.export.
 
@@ -215,15 +214,12 @@ def export_graph(
         owner: the module whose weights the graph carries, if any.
         guard_nan: serve max pools bare unless a NaN reaches them (``nan_guard``): for CPU graphs;
             on CUDA the guard's ``If`` would copy its condition to the host on every run.
-        parked: whether a thread (by id) waits on the caller and uses nothing of the model
-            meanwhile: the export does not wait for such a thread to leave the model
-            (``other_threads.held``).
+        parked: whether a thread (by id) waits on the caller: the export does not wait for it (``held``).
 
     Raises:
         RuntimeError: the exporter failed; the message holds its root cause.
     """
-    flat = _Flat(fn, owner)
-    program = _exported(flat, examples, input_names, dynamic, optimize, owner, parked)
+    program = _exported(flat := _Flat(fn, owner), examples, input_names, dynamic, optimize, owner, parked)
     numbers = _numbers(program.exported_program, examples)
     number_symbols = {symbol: input_names[i] for symbol, i in numbers.pop("symbols").items()}
     graph_leaves = flat.plan()["graph_leaves"]

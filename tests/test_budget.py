@@ -60,7 +60,7 @@ def test_a_float_that_varies_on_every_call_spends_it_and_the_message_says_so():
 
 def test_weights_that_change_before_their_graph_serves_spend_it_then_wait_for_still_weights():
     """Past the budget, weights that change between calls (a training loop) run the calls eagerly
-    without capturing, not for good: once the weights hold still between two calls, a capture."""
+    without capturing, not for good: once the weights hold still over two calls in a row, a capture."""
     cr.config.recapture_limit = 2
     model = torch.nn.Linear(4, 4).eval()
     f = cr.compile(model)

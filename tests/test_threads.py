@@ -453,7 +453,7 @@ def _step(weight: torch.Tensor) -> None:
 def test_a_model_changed_while_every_capture_is_made_runs_eagerly_past_the_budget_until_it_holds_still():
     """Each capture's eager run and its export see different weights: none is made, and each
     spends the re-capture budget. Past it, calls run eagerly without exporting, saying why, until
-    the weights hold still between two calls; then the function captures and serves."""
+    the weights hold still over two calls in a row; then the function captures and serves."""
     cr.config.recapture_limit = 2
     model, x = _StepsElsewhere().eval(), torch.randn(2, 4)
     f = cr.compile(model)

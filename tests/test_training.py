@@ -123,7 +123,7 @@ def test_trap_one_evaluation_call_an_epoch_leaves_the_function_served_once_train
     """A loop that evaluates one batch an epoch through ``f``: each capture's weights changed
     before it served a call, which spends the re-capture budget; once spent, the function fell
     back for good and stayed eager after training ended. While the weights keep changing between
-    calls it now waits, eagerly, and captures once they hold still between two calls."""
+    calls it now waits, eagerly, and captures once they hold still over two calls in a row."""
     cr.config.recapture_limit = 2
     model = _model()
     f = cr.compile(model)

@@ -26,7 +26,7 @@ from clika_runtime.capture.plan import Call
 from clika_runtime.capture.target import Target, target_raised
 from clika_runtime.capture.value import Capture
 from clika_runtime.function import staleness
-from clika_runtime.function.table import CacheTable, State, fallen_back, with_refused
+from clika_runtime.function.table import CacheTable, State, fallen_back, unmade, with_refused
 from clika_runtime.state import weights
 from clika_runtime.state.snapshot import plain_call
 
@@ -116,6 +116,15 @@ class Fallbacks:
                 say(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key "
                     f"({key}){at}: {why}; {others}", _user_level())
         return result()
+
+    def _unmade(self, why: str, generation: int, out: Any) -> Any:
+        """A capture not made because another thread changed the model while it was made: no key
+        is refused, the next call captures again, and the re-capture budget is spent (``unmade``)."""
+        with self.lock:
+            if self.table.generation == generation:
+                self.table = unmade(self.table, why)
+        logger.info("%s: %s; the next call captures again", self.target.name, why)
+        return out
 
     def _unkeyable(self, why: str) -> None:
         if self.target.fullgraph:

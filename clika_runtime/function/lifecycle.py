@@ -32,9 +32,7 @@ from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiatin
 from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, Settle, decide, learned, planned,
 )
-from clika_runtime.function.table import (
-    CacheTable, State, empty, retrying_refused, swapped, unmade, with_capture, without,
-)
+from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, swapped, with_capture, without
 from clika_runtime.state import reads, weights
 from clika_runtime.state.snapshot import Snapshot, hook_containers
 from clika_runtime.trees import kvcache
@@ -42,7 +40,6 @@ from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey, Unkeyable
 
 logger = logging.getLogger("clika_runtime")
-STILL_CALLS = 2  # calls in a row with unwritten weights after which a Settle captures
 
 
 class Lifecycle(Fallbacks):
@@ -53,7 +50,7 @@ class Lifecycle(Fallbacks):
         self.table: CacheTable = empty(0)
         self._inflight: set[tuple[int, CallKey]] = set()
         self._warned: set[str] = set()
-        self._still: tuple[Callable[[], bool], int] | None = None  # past a Settle: written since? calls still
+        self._still = weights.Stillness(target.owner)  # past a Settle: whether the weights hold still
 
     def swap(self, table: CacheTable) -> None:
         """Install a new table (the caller holds the lock)."""
@@ -161,7 +158,7 @@ class Lifecycle(Fallbacks):
         decision = decide(table, call, target.options, target.owner)
         if isinstance(decision, Settle):
             decision = decision.otherwise if target.owner is None else \
-                decision.plan if self._held_still() else Eager(decision.why)
+                decision.plan if self._still.held() else Eager(decision.why)
         if isinstance(decision, CapturePlan):
             token = (table.generation, decision.call.key)
             if token in self._inflight or TARGETS.shared_here():
@@ -169,15 +166,6 @@ class Lifecycle(Fallbacks):
                 return Eager(), call, table.generation
             self._inflight.add(token)
         return decision, call, table.generation
-
-    def _held_still(self) -> bool:
-        """Whether no parameter or buffer of the model was written over the last ``STILL_CALLS``
-        calls that asked (``Settle``): a loop that evaluates twice between steps captures nothing
-        the next step would drop."""
-        last, calls = self._still or (None, 0)
-        calls = calls + 1 if last is not None and not last() else 0
-        self._still = (weights.written_later(self.target.owner), calls)
-        return calls >= STILL_CALLS
 
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
@@ -249,15 +237,6 @@ class Lifecycle(Fallbacks):
             restore.remember(self.target, taught)
         if dropped:  # a superseded or evicted capture's session is gone: its memory too
             memory.give_back()
-        return out
-
-    def _unmade(self, why: str, generation: int, out: Any) -> Any:
-        """A capture not made because another thread changed the model while it was made: no key
-        is refused, the next call captures again, and the re-capture budget is spent (``unmade``)."""
-        with self.lock:
-            if self.table.generation == generation:
-                self.table = unmade(self.table, why)
-        logger.info("%s: %s; the next call captures again", self.target.name, why)
         return out
 
     def _install(self, attempt: degrade.Attempt, generation: int, snapshot: Snapshot,

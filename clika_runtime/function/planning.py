@@ -58,7 +58,7 @@ class GiveUp:
 class Settle:
     """The re-capture budget is spent by a model whose weights changed before each graph served a
     call (a training loop that evaluates between steps): serve eagerly while they keep changing,
-    and capture ``plan`` once they hold still between two calls; ``why`` is said once."""
+    and capture ``plan`` once they hold still (``weights.Stillness``); ``why`` is said once."""
 
     plan: CapturePlan
     why: str
@@ -223,7 +223,7 @@ def _budgeted(table: CacheTable, plan: CapturePlan) -> Decision:
         if _moving(plan.reason, table.spent):
             return Settle(plan, f"re-capture limit ({limit}) reached by weights that change between calls (spent by "
                                 f"{_spent(table.spent)}): calls run eagerly while they do, and capture once they "
-                                "hold still between two calls", given_up)
+                                "hold still over two calls in a row", given_up)
         return given_up
     return plan
 

@@ -139,6 +139,25 @@ def written_later(owner: torch.nn.Module | None) -> Callable[[], bool]:
     return lambda: [_version_of(t) for t in tensors] != versions
 
 
+STILL_CALLS = 2  # calls in a row that find the weights unwritten: they hold still (``Stillness``)
+
+
+class Stillness:
+    """Whether a model's parameters and buffers held still over the last ``STILL_CALLS`` calls that
+    asked (``planning.Settle``: a loop that evaluates twice between steps captures nothing the next
+    step would drop). The first call that asks finds nothing to compare with."""
+
+    def __init__(self, owner: torch.nn.Module | None) -> None:
+        self.owner = owner
+        self.last: Callable[[], bool] | None = None  # written since the last call that asked?
+        self.calls = 0
+
+    def held(self) -> bool:
+        self.calls = self.calls + 1 if self.last is not None and not self.last() else 0
+        self.last = written_later(self.owner)
+        return self.calls >= STILL_CALLS
+
+
 def _version_of(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
