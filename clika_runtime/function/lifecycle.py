@@ -223,50 +223,18 @@ class Lifecycle(Fallbacks):
         attempt.notes.extend(_unwatched(attempt.capture, written))
         for note in attempt.said:
             self._say_once(note)
-        keeping = sorted({name for name, _ in hooked})
-        if keeping:
-            self._say_once(f"forward hooks on {staleness.listed(keeping, repr)} keep what they see in a dict or list: "
-                           "served calls run the graph, not the hooks, so those stay as the last eager call left "
-                           "them (ask the model for the values instead: output_hidden_states=True, a returned tensor)")
+        if hooked:
+            self._say_once(_keeping(hooked))
         self._said_precision(attempt.capture, attempt.notes)
         with self.lock:
             held = len(self.table.captures)
-            taught = self._install(attempt, generation, snapshot, written, seen)
+            self.table, taught = _installed(self.table, self.target, attempt, generation, snapshot, written, seen)
             dropped = held + 1 > len(self.table.captures)
         if taught is not None:  # outside the lock: disk I/O
             restore.remember(self.target, taught)
         if dropped:  # a superseded or evicted capture's session is gone: its memory too
             memory.give_back()
         return out
-
-    def _install(self, attempt: degrade.Attempt, generation: int, snapshot: Snapshot,
-                 written: staleness.Written, seen: reads.Reads) -> Knowledge | None:
-        """Swap in the table with the new capture, its ``snapshot`` watching what this capture
-        and the others read (``seen``; the caller holds the lock); return what the function
-        learned when the capture taught it something new."""
-        table, plan, capture = self.table, attempt.plan, attempt.capture
-        if table.generation != generation or table.state is State.Fallback:
-            return None  # reset() or a failure elsewhere since this capture began: it serves nothing
-        with TARGETS.shared():
-            if any(b.changed() for b in capture.baked):  # weights re-assigned while it was being made
-                return None  # (the watch counts registrations from now on): the next call captures again
-            moved = table.snapshot.moved() - table.written - written if table.captures else ()
-        table = replace(table, written=table.written | written, reads=table.reads | seen)
-        if moved:  # the state moved since the other captures were made (not by the target itself)
-            table = without(table, table.captures, pending=None, spends=False)
-        knowledge = learned(table.knowledge, plan, self.target.options, static_axes=attempt.static_axes,
-                            unliftable=attempt.unliftable)
-        superseded = [c for ref in plan.replaces if (c := ref()) is not None and _covers(capture, c)]
-        for note in attempt.notes:
-            logger.info("capture of %s: %s", self.target.name, note)
-        if plan.reason is not None:
-            logger.info("re-capture of %s: %s", self.target.name, plan.reason)
-        self.table = with_capture(table, capture, reason=plan.reason, spends=plan.spends, replaces=superseded,
-                                  knowledge=knowledge, notes=attempt.notes, limit=config.cache_size,
-                                  snapshot=snapshot.narrowed(table.reads))
-        return knowledge if knowledge.learned != table.knowledge.learned else None
-
-    # ------------------------------------------------------------------------------- giving up
 
 
 class _Rewrites:
@@ -292,6 +260,42 @@ class _Rewrites:
     def of(self, ran: staleness.Written) -> staleness.Written:
         """Of what moved during the eager run (``ran``), what the target wrote."""
         return ran if self.moved is None else ran & self.moved
+
+
+def _installed(table: CacheTable, target: Target, attempt: degrade.Attempt, generation: int, snapshot: Snapshot,
+               written: staleness.Written, seen: reads.Reads) -> tuple[CacheTable, Knowledge | None]:
+    """The table with the new capture, its ``snapshot`` watching what this capture and the others
+    read (``seen``; the caller holds the lock), and what the function learned when the capture
+    taught it something new. The table unchanged where the capture serves nothing: ``reset()``
+    or a failure elsewhere since it began, or weights re-assigned while it was made."""
+    plan, capture = attempt.plan, attempt.capture
+    if table.generation != generation or table.state is State.Fallback:
+        return table, None
+    with TARGETS.shared():
+        if any(b.changed() for b in capture.baked):  # (the watch counts registrations from now on)
+            return table, None  # the next call captures again
+        moved = table.snapshot.moved() - table.written - written if table.captures else ()
+    table = replace(table, written=table.written | written, reads=table.reads | seen)
+    if moved:  # the state moved since the other captures were made (not by the target itself)
+        table = without(table, table.captures, pending=None, spends=False)
+    knowledge = learned(table.knowledge, plan, target.options, static_axes=attempt.static_axes,
+                        unliftable=attempt.unliftable)
+    superseded = [c for ref in plan.replaces if (c := ref()) is not None and _covers(capture, c)]
+    for note in attempt.notes:
+        logger.info("capture of %s: %s", target.name, note)
+    if plan.reason is not None:
+        logger.info("re-capture of %s: %s", target.name, plan.reason)
+    installed = with_capture(table, capture, reason=plan.reason, spends=plan.spends, replaces=superseded,
+                             knowledge=knowledge, notes=attempt.notes, limit=config.cache_size,
+                             snapshot=snapshot.narrowed(table.reads))
+    return installed, (knowledge if knowledge.learned != table.knowledge.learned else None)
+
+
+def _keeping(hooked: Sequence[tuple[str, Any]]) -> str:
+    keeping = sorted({name for name, _ in hooked})
+    return (f"forward hooks on {staleness.listed(keeping, repr)} keep what they see in a dict or list: "
+            "served calls run the graph, not the hooks, so those stay as the last eager call left "
+            "them (ask the model for the values instead: output_hidden_states=True, a returned tensor)")
 
 
 _SWITCHED = "model changed while capturing: its training flag was switched"

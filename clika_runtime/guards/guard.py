@@ -211,7 +211,7 @@ class Guard:
             return
         broken = False
         for i, (rule, feed) in enumerate(zip(self.inputs, feeds)):
-            problem = self._input(i, rule, feed)
+            problem = _input(rule, self._accept[i], self.device, feed)
             if problem is not None:
                 broken = True
                 yield problem
@@ -229,26 +229,6 @@ class Guard:
                 elif sizes.setdefault(want, got) != got:
                     yield Mismatch("equal", rule.name, axis, f"dim '{want}' is {sizes[want]} elsewhere", got)
         yield from self._dims(sizes, feeds)
-
-    def _input(self, i: int, rule: InputRule, feed: Any) -> Mismatch | None:
-        if rule.shape is None:  # a lifted Python number (an int, or a 0-d integer array)
-            if not _is_integer(feed):
-                return Mismatch("type", rule.name, None, "a Python int", type(feed).__name__)
-            lo, hi = rule.number or (None, None)
-            if (lo is not None and feed < lo) or (hi is not None and feed > hi):
-                return Mismatch("number", rule.name, None, _interval(lo, hi), int(feed))
-            return None
-        dtype = getattr(feed, "dtype", None)
-        if dtype is None or not hasattr(feed, "shape"):
-            return Mismatch("type", rule.name, None, f"an array of {rule.dtype}", type(feed).__name__)
-        if dtype not in self._accept[i] and dtype_name(dtype) != rule.dtype:
-            return Mismatch("dtype", rule.name, None, rule.dtype, dtype_name(dtype))
-        if self.device is not None and str(getattr(feed, "device", "cpu")) != self.device:
-            return Mismatch("device", rule.name, None, self.device, str(getattr(feed, "device", "cpu")))
-        if len(feed.shape) != len(rule.shape):
-            dims = ", ".join(map(str, rule.shape))
-            return Mismatch("rank", rule.name, None, f"{len(rule.shape)} [{dims}]", tuple(feed.shape))
-        return None
 
     def _dims(self, sizes: dict[str, int], feeds: Sequence[Any]) -> Iterator[Mismatch]:
         unusual = self._unusual(sizes)
@@ -376,6 +356,28 @@ def _dynamic_fits(guard: Guard) -> Callable[[Sequence[Any]], bool]:
         return check(feeds) is None
 
     return fits
+
+
+def _input(rule: InputRule, accept: frozenset, device: str | None, feed: Any) -> Mismatch | None:
+    """Why ``feed`` does not fit ``rule`` on its own (its type, dtype, device or rank), or ``None``."""
+    if rule.shape is None:  # a lifted Python number (an int, or a 0-d integer array)
+        if not _is_integer(feed):
+            return Mismatch("type", rule.name, None, "a Python int", type(feed).__name__)
+        lo, hi = rule.number or (None, None)
+        if (lo is not None and feed < lo) or (hi is not None and feed > hi):
+            return Mismatch("number", rule.name, None, _interval(lo, hi), int(feed))
+        return None
+    dtype = getattr(feed, "dtype", None)
+    if dtype is None or not hasattr(feed, "shape"):
+        return Mismatch("type", rule.name, None, f"an array of {rule.dtype}", type(feed).__name__)
+    if dtype not in accept and dtype_name(dtype) != rule.dtype:
+        return Mismatch("dtype", rule.name, None, rule.dtype, dtype_name(dtype))
+    if device is not None and str(getattr(feed, "device", "cpu")) != device:
+        return Mismatch("device", rule.name, None, device, str(getattr(feed, "device", "cpu")))
+    if len(feed.shape) != len(rule.shape):
+        dims = ", ".join(map(str, rule.shape))
+        return Mismatch("rank", rule.name, None, f"{len(rule.shape)} [{dims}]", tuple(feed.shape))
+    return None
 
 
 def _first(inputs: Sequence[InputRule], dim: str) -> tuple[str | None, int | None]:
