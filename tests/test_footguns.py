@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import warnings
 
 import pytest
 import torch
@@ -316,3 +318,51 @@ def test_a_negative_index_raises_as_eager_does(lookup):
     calls = target.calls
     torch.testing.assert_close(f(x, torch.tensor([[0, 3]])), lookup(x, torch.tensor([[0, 3]])))
     assert target.calls == calls  # served again
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    logits: torch.Tensor | None = None
+
+
+def _writes_the_batch(batch):
+    batch["logits"] = batch["x"] * 2  # the "results into the batch" pattern
+    return batch["logits"].sum(-1)
+
+
+def _appends(xs):
+    xs.append(xs[-1] * 2)
+    return xs[0] + 1
+
+
+def _sets_an_attribute(b):
+    b.logits = b.x * 2
+    return b.logits.softmax(-1)
+
+
+def _pops(batch):
+    return batch.pop("x") * 2
+
+
+@pytest.mark.parametrize("target, make, seen", [
+    (_writes_the_batch, lambda: {"x": torch.randn(3, 4)}, lambda a: sorted(a)),
+    (_appends, lambda: [torch.randn(3)], len),
+    (_sets_an_attribute, lambda: _Batch(torch.randn(3, 4)), lambda b: b.logits is not None),
+    (_pops, lambda: {"x": torch.randn(3), "y": torch.randn(3)}, lambda a: sorted(a)),
+], ids=["dict-key-added", "list-append", "dataclass-attribute", "dict-pop"])
+def test_trap_a_target_that_writes_into_a_container_argument_is_not_served(target, make, seen):
+    """Served calls dropped what the target wrote into the dict, list or dataclass it was given:
+    the caller's batch lost its 'logits' from the second call on. Such a call is an input
+    mutation, as an in-place write to a tensor is: it runs eagerly, the container written each call."""
+    f = cr.compile(target)
+    with torch.inference_mode():
+        for _ in range(3):
+            mine, theirs = make(), make()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                target(theirs)
+                f(mine)
+            assert seen(mine) == seen(theirs)
+    assert "input mutation" in f.fallback_reason or any("input mutation" in why for why in f.eager_keys.values())
+    assert "batch" in str(f.eager_keys) + str(f.fallback_reason) or target is not _writes_the_batch

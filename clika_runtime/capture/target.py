@@ -17,6 +17,7 @@ import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.precision import FP32, Agreement
 from clika_runtime.base.sharing import TARGETS
+from clika_runtime.capture import containers
 from clika_runtime.capture.plan import Options
 from clika_runtime.trees.calls import CallForms
 
@@ -56,10 +57,13 @@ class Target:
                 raise
 
     def eager_checked(self, feeds: Sequence[Any], names: Sequence[str], args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
-        """The eager result, and the names of the fed tensors the call mutated in place."""
+        """The eager result, and the names of the fed tensors the call mutated in place and of
+        the containers among its arguments it wrote into."""
         before = [_before(t) if isinstance(t, _Tensor) else None for t in feeds]
+        held = containers.Held(args, kwargs, self.forms.argument_name)
         out = self.eager(args, kwargs)  # the target's own exceptions reach the caller unchanged
-        return out, [n for n, t, b in zip(names, feeds, before) if b is not None and _mutated(t, b)]
+        mutated = [n for n, t, b in zip(names, feeds, before) if b is not None and _mutated(t, b)]
+        return out, mutated + held.written()
 
     def place_for(self, feeds: Sequence[Any]) -> serving.Place:
         """Where a capture of these feeds runs: the given place, else CUDA for CUDA inputs when

@@ -259,6 +259,12 @@ def _adapters_for(cache_utils: Any) -> list[CacheAdapter]:
     return [dynamic, EncoderDecoderCacheAdapter(cache_utils, dynamic)]
 
 
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers KV cache (registered: supported or refused); what a
+    call writes into one is the adapter's to replay (``writeback``), or the call runs eagerly."""
+    return type(value) in _seen
+
+
 def adapting() -> bool:
     """Whether any KV-cache class flattens through an adapter (transformers is imported)."""
     return bool(_ADAPTERS)
