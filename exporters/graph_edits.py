@@ -33,13 +33,17 @@ def fix_outputs(model: ir.Model, names: Sequence[str], dtypes: Sequence[ir.DataT
 
     An output that is also a graph input, or that appears twice, gets its own Identity so each
     output is a value of its own. An output whose dtype differs from eager's (the exporter upcasts
-    some low-precision reductions) gets a Cast back to eager's dtype.
+    some low-precision reductions) gets a Cast back to eager's dtype; a float64 output the graph
+    rounded to float32 from a double (a Python float: ``sizes.as_doubles`` declares it float32)
+    is that double.
     """
     graph = model.graph
     seen: set[int] = set()
     for i, (value, dtype) in enumerate(zip(list(graph.outputs), dtypes)):
         if value.is_graph_input() or id(value) in seen or value.is_initializer():
             value = _identity(graph, value)
+        if dtype == ir.DataType.DOUBLE and value.dtype == ir.DataType.FLOAT:
+            value = _unrounded(value)
         if value.dtype != dtype:
             node = ir.Node("", "Cast", [value], [ir.AttrInt64("to", dtype)], num_outputs=1)
             graph.append(node)
@@ -50,6 +54,15 @@ def fix_outputs(model: ir.Model, names: Sequence[str], dtypes: Sequence[ir.DataT
         seen.add(id(value))
     for value, name in zip(graph.outputs, names):
         value.name = name
+
+
+def _unrounded(value: ir.Value) -> ir.Value:
+    """The double ``value`` was cast to float32 from, if it was; else ``value``."""
+    node = value.producer()
+    if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
+        return value
+    source = node.inputs[0]
+    return source if source is not None and source.dtype == ir.DataType.DOUBLE else value
 
 
 # ONNX ops whose indices input must be int64 (torchlib passes int32 indices through as they came:

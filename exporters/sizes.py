@@ -1,4 +1,5 @@
-"""Python numbers computed from sizes, in double and with Python's floor, as Python computes them.
+"""Python numbers computed from sizes or read out of tensors, in double and with Python's floor,
+as Python computes them.
 
 torch.export keeps ``int(n * 2.3)`` (interpolate's output length for a scale factor) as Python
 arithmetic on the dynamic size ``n``: ``sym_float``, ``*``, ``math.trunc``. The exporter makes
@@ -50,6 +51,14 @@ def _marked(value: Any) -> Any:
 def sym_float(self: Any) -> Any:
     """``float(n)``: a double, as a Python float is."""
     return _marked(op.Cast(self, to=ir.DataType.DOUBLE))
+
+
+def local_scalar_dense(self: Any) -> Any:
+    """``x.item()`` of a float tensor: a Python float, so a double (torchlib's is a float32,
+    which rounded a float64 tensor's value); ints and bools as torchlib reads them."""
+    if self.dtype not in _FLOATS:
+        return core.aten__local_scalar_dense(self)
+    return _marked(op.Cast(op.Gather(op.Reshape(self, op.Constant(value_ints=[-1])), 0), to=ir.DataType.DOUBLE))
 
 
 def _arithmetic(onnx_op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -108,6 +117,7 @@ def _arange(torchlib: Callable[..., Any]) -> Callable[..., Any]:
 
 TABLE: dict[Any, Callable[..., Any]] = {
     torch.sym_float: sym_float,
+    torch.ops.aten._local_scalar_dense.default: local_scalar_dense,
     operator.add: _arithmetic(op.Add),
     operator.sub: _arithmetic(op.Sub),
     operator.mul: _arithmetic(op.Mul),

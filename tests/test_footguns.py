@@ -258,6 +258,29 @@ def test_a_float_computed_from_a_size_keeps_its_fraction():
     assert half == 2.5 and type(half) is float
 
 
+@pytest.mark.parametrize("target, make", [
+    (lambda x: (x * 2, x.shape[0] / 3), lambda n: torch.ones(n)),
+    (lambda x: (x * 2, x.sum().item()), lambda n: torch.arange(n, dtype=torch.float64) / 7 + 0.1),
+    (lambda x: x * x[0].item(), lambda n: torch.arange(1, n + 1, dtype=torch.float64) / 3),
+], ids=["size-divided", "item-of-float64", "item-of-float64-inside"])
+def test_trap_a_python_float_keeps_a_doubles_precision(target, make):
+    """Served calls returned ``x.shape[0] / 3`` and ``.item()`` of a float64 tensor rounded to
+    float32 (2.3333332538604736 for 7 / 3): the graph rounded the double to declare the number
+    float32, then widened it back for the float64 output."""
+    counted = Counted(target)
+    f = cr.compile(counted, dynamic=True)
+    f(make(4))
+    calls = counted.calls
+    for n in (7, 10):
+        got, want = f(make(n)), target(make(n))
+        got, want = (got[1], want[1]) if isinstance(want, tuple) else (got, want)
+        assert counted.calls == calls  # served by the graph
+        if isinstance(want, float):
+            assert got == want and type(got) is float
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+
+
 def test_a_float_read_out_of_a_tensor_is_judged_by_the_float32_tolerance():
     # .item() of a sum: onnxruntime adds in another order, and an exact compare refused the graph.
     target = Counted(lambda x: (x * 2, x.sum().item()))
