@@ -56,7 +56,7 @@ from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core, nn, prims
 from onnxscript.onnx_opset import opset18 as op
 
-from exporters import integer_power, log_domain, losses, scalars, signs, sizes, upsampling
+from exporters import integer_power, log_domain, losses, raising, scalars, signs, sizes, upsampling
 from exporters.dtypes import number_like
 
 
@@ -199,7 +199,8 @@ def _propagating_reduction(torchlib: Callable[..., Any]) -> Callable[..., Any]:
     """``amax``/``amin`` (self, dim, keepdim): torchlib's, NaN where the reduced values hold one."""
     def reduction(self: Any, dim: Sequence[int] = (), keepdim: bool = False) -> Any:
         out = torchlib(self, dim, keepdim)
-        return _with_nan(_any_nan(self, dim, keepdim), out) if self.dtype in _FLOATS else out
+        out = _with_nan(_any_nan(self, dim, keepdim), out) if self.dtype in _FLOATS else out
+        return raising.nonempty(self, dim, out)
     return reduction
 
 
@@ -207,7 +208,8 @@ def _propagating_full(torchlib: Callable[..., Any]) -> Callable[..., Any]:
     """``max()``/``min()`` of every element: torchlib's, NaN when any element is."""
     def reduction(self: Any) -> Any:
         out = torchlib(self)
-        return _with_nan(_any_nan(self, (), False), out) if self.dtype in _FLOATS else out
+        out = _with_nan(_any_nan(self, (), False), out) if self.dtype in _FLOATS else out
+        return raising.nonempty(self, None, out)
     return reduction
 
 
@@ -215,10 +217,10 @@ def _propagating_dim(torchlib: Callable[..., Any]) -> Callable[..., Any]:
     """``max(dim)``/``min(dim)``: values NaN and indices at the first NaN, as in torch."""
     def reduction(self: Any, dim: int, keepdim: bool = False) -> Any:
         values, indices = torchlib(self, dim, keepdim)
-        if self.dtype not in _FLOATS or len(self.shape) == 0:
-            return values, indices
-        found, first = _nan_along(self, dim, keepdim)
-        return _with_nan(found, values), op.Where(found, first, indices)
+        if self.dtype in _FLOATS and len(self.shape) != 0:
+            found, first = _nan_along(self, dim, keepdim)
+            values, indices = _with_nan(found, values), op.Where(found, first, indices)
+        return raising.nonempty(self, dim, (values, indices))
     return reduction
 
 
@@ -416,6 +418,9 @@ TABLE: dict[Any, Callable[..., Any]] = {
     **{overload: scalars.in_opmath(torchlib) for overload, torchlib in (
         (torch.ops.aten.add.Tensor, core.aten_add), (torch.ops.aten.sub.Tensor, core.aten_sub),
         (torch.ops.aten.mul.Tensor, core.aten_mul), (torch.ops.aten.div.Tensor, core.aten_div))},
+    torch.ops.aten.one_hot.default: raising.one_hot,
+    torch.ops.aten.bincount.default: raising.bincount,
+    torch.ops.aten.repeat_interleave.Tensor: raising.repeat_interleave,
     torch.ops.aten.pow.Tensor_Tensor: integer_power.pow_tensor_tensor,
     torch.ops.aten.pow.Tensor_Scalar: integer_power.pow_tensor_scalar,
     torch.ops.aten.pow.Scalar: integer_power.pow_scalar,

@@ -343,6 +343,33 @@ def test_a_negative_index_raises_as_eager_does(lookup):
     assert target.calls == calls  # served again
 
 
+@pytest.mark.parametrize("target, good, bad", [
+    (lambda s: s[s > 0.5].max(), torch.tensor([0.9, 0.2, 0.7]), torch.tensor([0.1, 0.2, 0.3])),
+    (lambda s: s[s > 0.5].amin(), torch.tensor([0.9, 0.2, 0.7]), torch.tensor([0.1, 0.2, 0.3])),
+    (lambda s: s[s > 0.5].max(0).values, torch.tensor([0.9, 0.2, 0.7]), torch.tensor([0.1, 0.2, 0.3])),
+    (lambda x: x[x[:, 0] > 0.5].amax(0), torch.tensor([[0.9, 1.0], [0.1, 2.0]]), torch.tensor([[0.1, 1.0], [0.1, 2.0]])),
+    (lambda labels: torch.nn.functional.one_hot(labels, 4), torch.tensor([0, 3, 1]), torch.tensor([0, 5, 1])),
+    (lambda labels: torch.nn.functional.one_hot(labels, 4), torch.tensor([0, 3, 1]), torch.tensor([0, -1, 1])),
+    (lambda r: torch.repeat_interleave(torch.tensor([1.0, 2.0]), r), torch.tensor([1, 2]), torch.tensor([-1, 2])),
+    (lambda x: torch.bincount(x), torch.tensor([0, 1, 1]), torch.tensor([0, -1, 1])),
+], ids=["max-of-none", "amin-of-none", "max-dim-of-none", "amax-dim-of-none", "one-hot-past-the-end",
+        "one-hot-negative", "repeat-interleave-negative", "bincount-negative"])
+def test_trap_values_eager_raises_on_raise_when_served(target, good, bad):
+    """The max of a selection that came out empty was served as NaN, a label past ``one_hot``'s
+    classes as a row of zeros, a negative count as a plausible tensor: eager raises on each."""
+    counted = Counted(target)
+    f = cr.compile(counted)
+    f(good)
+    torch.testing.assert_close(f(good.clone()), target(good))
+    with pytest.raises((IndexError, RuntimeError)) as eager:
+        target(bad)
+    with pytest.raises(type(eager.value), match=re.escape(str(eager.value))):
+        f(bad)
+    calls = counted.calls
+    torch.testing.assert_close(f(good.clone()), target(good))
+    assert counted.calls == calls  # the graph serves on
+
+
 @dataclasses.dataclass
 class _Batch:
     x: torch.Tensor

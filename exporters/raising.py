@@ -1,0 +1,88 @@
+"""Values torch raises on, made to fail the graph too, so the call runs eagerly and raises torch's error.
+
+ONNX answers them: the max of nothing (a selection that came out empty) is NaN or the lowest
+float, a class past ``one_hot``'s depth a row of zeros, a negative count a plausible tensor.
+Each check here feeds its op's output through a ``Gather`` whose index is past the end where the
+values are bad: onnxruntime refuses the run, the served call becomes a miss, the target raises
+its own error, and the graph stays for the next call (as for a negative index, ``translations``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import onnx_ir as ir
+from onnxscript.function_libs.torch_lib.ops import core
+from onnxscript.onnx_opset import opset18 as op
+
+
+def unless(ok: Any, out: Any) -> Any:
+    """``out``, or a failed run where ``ok`` (a bool scalar) is false."""
+    one = op.Gather(op.Constant(value_ints=[1]), op.Cast(op.Not(ok), to=ir.DataType.INT64))  # [1][1]: past the end
+    if out.dtype == ir.DataType.BOOL:
+        return op.And(out, op.Cast(one, to=ir.DataType.BOOL))
+    return op.Mul(out, op.CastLike(one, out))  # 1 * x is x: NaN, infinities and -0.0 stay
+
+
+def _static_nonempty(x: Any, axes: Sequence[int]) -> bool:
+    return all(isinstance(x.shape[a], int) and x.shape[a] > 0 for a in axes)
+
+
+def _some(x: Any, axes: Sequence[int]) -> Any:
+    """Whether ``x`` holds an element along ``axes``."""
+    sizes = op.Gather(op.Shape(x), op.Constant(value_ints=list(axes)))
+    return op.Greater(op.ReduceProd(sizes, keepdims=0), op.Constant(value_int=0))
+
+
+def _axes(x: Any, dim: Any) -> list[int]:
+    rank = len(x.shape)
+    if dim is None or (isinstance(dim, Sequence) and not dim):
+        return list(range(rank))
+    return [d % rank for d in ([dim] if isinstance(dim, int) else dim)] if rank else []
+
+
+def nonempty(x: Any, dim: Any, out: Any) -> Any:
+    """``out``, a max or min of ``x`` over ``dim`` (``None`` or empty: every axis), failing where
+    those axes hold nothing: torch raises ("Expected reduction dim to have non-zero size")."""
+    axes = _axes(x, dim)
+    if not axes or _static_nonempty(x, axes):
+        return out
+    ok = _some(x, axes)
+    return tuple(unless(ok, o) for o in out) if isinstance(out, tuple) else unless(ok, out)
+
+
+def one_hot(self: Any, num_classes: int = -1) -> Any:
+    """``one_hot``: each class a row, failing on a negative class or one past ``num_classes``
+    (ONNX's OneHot counts negatives from the end and leaves a class past the depth all zeros)."""
+    empty_ok = op.Constant(value_int=0)
+    labels = op.Cast(self, to=ir.DataType.INT64)
+    lowest = op.ReduceMin(op.Concat(op.Reshape(labels, op.Constant(value_ints=[-1])), op.Constant(value_ints=[0]),
+                                    axis=0), keepdims=0)
+    highest = op.ReduceMax(op.Concat(op.Reshape(labels, op.Constant(value_ints=[-1])), op.Constant(value_ints=[0]),
+                                     axis=0), keepdims=0)
+    if num_classes < 0:  # as many classes as the highest label says; none in an empty tensor: torch raises
+        depth = op.Add(highest, op.Constant(value_int=1))
+        ok = op.And(op.GreaterOrEqual(lowest, empty_ok), op.Greater(op.Size(labels), empty_ok))
+    else:
+        depth = op.Constant(value_int=num_classes)
+        ok = op.And(op.GreaterOrEqual(lowest, empty_ok), op.Less(highest, depth))
+    classes = op.Range(op.Constant(value_int=0), depth, op.Constant(value_int=1))
+    rows = op.Cast(op.Equal(op.Unsqueeze(labels, op.Constant(value_ints=[-1])), classes), to=ir.DataType.INT64)
+    return unless(ok, rows)
+
+
+def bincount(self: Any, weights: Any | None = None, minlength: int = 0) -> Any:
+    """torchlib's ``bincount``, failing on a negative number (torch raises; ONNX wraps it around)."""
+    return unless(_nonnegative(self), core.aten_bincount(self, weights, minlength))
+
+
+def repeat_interleave(self: Any, repeats: Any | None = None, dim: int | None = None) -> Any:
+    """torchlib's ``repeat_interleave`` of counts, failing on a negative count (torch raises)."""
+    return unless(_nonnegative(self if repeats is None else repeats), core.aten_repeat_interleave_Tensor(self, repeats, dim))
+
+
+def _nonnegative(x: Any) -> Any:
+    flat = op.Concat(op.Reshape(op.Cast(x, to=ir.DataType.INT64), op.Constant(value_ints=[-1])),
+                     op.Constant(value_ints=[0]), axis=0)  # a 0 beside: the least of nothing is fine
+    return op.GreaterOrEqual(op.ReduceMin(flat, keepdims=0), op.Constant(value_int=0))
