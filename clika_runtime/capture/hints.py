@@ -28,8 +28,16 @@ _OUTPUT_VALUES = (int, float, bool, str, bytes, type(None))
 def check_inputs(feeds: Sequence[Any], names: Sequence[str]) -> None:
     """Inputs a graph cannot take as they are: an ``UncapturableError`` naming the input and the fix."""
     for name, feed in zip(names, feeds):
-        if isinstance(feed, torch.Tensor) and feed.is_complex():
+        if not isinstance(feed, torch.Tensor):
+            continue
+        if feed.is_complex():
             raise UncapturableError(f"input '{name}' is {feed.dtype}: {_COMPLEX_FIX}")
+        if feed.layout is not torch.strided or feed.is_nested:
+            raise UncapturableError(f"input '{name}' is a sparse tensor ({feed.layout}), which a graph cannot take: "
+                                    "pass x.to_dense()")
+        if feed.is_meta or feed.is_quantized:
+            where = "on the meta device (it holds no values)" if feed.is_meta else f"quantized ({feed.dtype})"
+            raise UncapturableError(f"input '{name}' is {where}, which a graph cannot take")
 
 
 def check_outputs(leaves: Sequence[Any]) -> None:

@@ -92,10 +92,13 @@ def _mark(error: BaseException) -> None:
 
 
 def _before(t: torch.Tensor) -> Any:
-    """What to compare after the eager call to tell whether it mutated ``t`` in place."""
+    """What to compare after the eager call to tell whether it mutated ``t`` in place (``None``:
+    nothing to compare, a sparse or meta tensor, whose capture fails on its own)."""
     try:
         return t._version
     except RuntimeError:  # inference tensors keep no version counter: compare their bytes instead
+        if t.layout is not torch.strided or t.is_meta:
+            return None
         return t.detach().clone()
 
 
