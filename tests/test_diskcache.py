@@ -359,6 +359,33 @@ def test_an_unwritable_cache_warns_once_and_serves(tmp_path):
     assert f.state is cr.CompiledFunction.State.Compiled
 
 
+@pytest.mark.parametrize("damage", ["removed", "work-is-a-file"])
+def test_trap_a_cache_folder_broken_while_the_process_runs_does_not_stop_captures(tmp_path, damage):
+    """The cache's folder removed by hand (or its work/ folder unusable: read-only, disk full)
+    after the process opened it: every later capture failed ("FileNotFoundError while
+    capturing"), its key served eagerly for good, reset() too."""
+    import shutil
+
+    cr.config.cache_dir = tmp_path / "cache"
+    _capture(_model(), torch.randn(2, 4))
+    if damage == "removed":
+        shutil.rmtree(tmp_path / "cache")
+    else:
+        shutil.rmtree(tmp_path / "cache" / "work")
+        (tmp_path / "cache" / "work").write_text("not a folder")
+    model, x = torch.nn.Linear(4, 5).eval(), torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f = _capture(model, x)
+    assert f.state is cr.CompiledFunction.State.Compiled, f.eager_keys
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model(x))
+    if damage == "removed":  # made again, and kept
+        other = torch.nn.Linear(4, 6).eval()
+        assert _exported(_capture(other, x))
+        assert not _exported(_capture(other, x))
+
+
 def test_a_capture_larger_than_the_whole_cache_is_not_kept_and_says_so_once():
     cr.config.cache_max_bytes = 100  # smaller than any graph
     model, x = _model(), torch.randn(2, 4)
@@ -620,3 +647,23 @@ def test_trap_folders_a_killed_process_left_in_the_cache_are_removed(tmp_path):
     assert alive and all(p.exists() for p in alive)
     assert cli(["cache", "clear", "--dir", str(tmp_path)]) == 0
     assert all(p.exists() for p in alive)  # a live process's folder survives a clear
+
+
+def test_trap_folders_forked_workers_left_are_removed_while_the_parent_lives(tmp_path):
+    """A server recycling fork workers (a Pool with maxtasksperchild, gunicorn, celery) opened
+    the cache once, in the parent: each worker's captures left a folder in work/ as it exited,
+    and nothing removed them while the parent lived (41 folders, 30 MiB against a 2 MiB bound
+    after 20 rounds). Each capture now removes those of processes that are gone."""
+    cr.config.cache_dir = str(tmp_path)
+    _capture(_model(), torch.randn(2, 4))  # the parent opens the cache
+    worker = os.fork()
+    if worker == 0:  # a worker: captures, then exits as a pool worker does (no clean-up)
+        try:
+            served = _capture(torch.nn.Linear(4, 7).eval(), torch.randn(2, 4))  # noqa: F841 (kept to the end)
+        finally:
+            os._exit(0)
+    os.waitpid(worker, 0)
+    left = [p for p in (tmp_path / "work").iterdir() if f".{worker}." in p.name]
+    assert left, "the worker left no folder: nothing to test"
+    _capture(torch.nn.Linear(4, 9).eval(), torch.randn(2, 4))  # the parent's next capture
+    assert not [p for p in left if p.exists()], left

@@ -5,11 +5,18 @@ serve and re-capture as a fresh process would."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 import clika_runtime as cr
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _model():
@@ -49,3 +56,28 @@ def test_trap_a_forked_child_captures_and_serves(tmp_path, monkeypatch, threads)
         _INHERITED.clear()
         torch.set_num_threads(1)
     assert sum(hits) >= 3, hits  # the parent's graph at 5, the child's own from 7 on
+
+
+def test_trap_a_forked_child_that_exits_leaves_the_parents_graphs(tmp_path):
+    """A forked child ending as a normal interpreter does (a gunicorn worker's sys.exit(0))
+    ran the finalizers it inherited: it removed the parent's capture folders, and the parent's
+    take_graph() then failed with 'model.onnx: no such file'."""
+    script = textwrap.dedent("""
+        import os, sys, torch, clika_runtime as cr
+        model = torch.nn.Linear(4, 3).eval()
+        f = cr.compile(model)
+        with torch.no_grad():
+            f(torch.randn(5, 4))
+        child = os.fork()
+        if child == 0:  # ends as an interpreter does: atexit handlers and finalizers run
+            import atexit
+            atexit._run_exitfuncs()
+            os._exit(0)  # (not onnxruntime's C++ exit handlers: they hang a forked child)
+        os.waitpid(child, 0)
+        f.take_graph().save(sys.argv[1])
+        print("saved")
+    """)
+    env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": "", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.onnx")], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0 and "saved" in result.stdout, result.stderr[-2000:]

@@ -70,11 +70,31 @@ class DiskCache:
 
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root, self.max_bytes = root, max_bytes
-        for sub in ("entries", "functions", "work"):
-            (root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._made()
         root.chmod(0o700)
         self._real = root.resolve()
         self.sweep()
+
+    def _made(self) -> None:
+        for sub in ("entries", "functions", "work"):
+            (self.root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def ready(self) -> Path | None:
+        """``work``, its folders made again where they were removed since (a cache cleared by
+        hand while the process runs), without the folders processes that are gone left there
+        (workers a long-lived parent forked: the parent opened the cache, and swept it, once);
+        ``None`` when they cannot be made: the cache is turned off."""
+        try:
+            self._made()
+            self.sweep()
+        except OSError as e:
+            self.refuse(e)
+            return None
+        return self.work
+
+    def refuse(self, error: BaseException) -> None:
+        """Turn this cache off for the process, saying why once."""
+        refuse(self.root, error)
 
     def sweep(self) -> None:
         """Remove the folders in ``work/`` that processes of this host left when they died (a

@@ -132,7 +132,16 @@ def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: rest
             capture, used, meta = found
             return Attempt(capture, used, list(meta["notes"]), [tuple(a) for a in meta["static_axes"]],
                            frozenset(meta["unliftable"]))
-    attempt = _exported(target, plan, out, slot.cache.work if slot is not None else None, elsewhere, on_trace)
+    work = slot.cache.ready() if slot is not None else None
+    try:
+        attempt = _exported(target, plan, out, work, elsewhere, on_trace)
+    except CaptureError as error:
+        if work is None or not isinstance(error.__cause__, OSError):
+            raise
+        # The cache's filesystem failed the graph's files (read-only, full): off, and the capture
+        # made in the system's temporary folder instead.
+        slot.cache.refuse(error.__cause__)
+        slot, attempt = None, _exported(target, plan, out, None, elsewhere, on_trace)
     if attempt.capture.precision_note:  # kept with the entry: a restore serves the same fp32 graph
         attempt.notes.append(attempt.capture.precision_note)
     if slot is not None:
@@ -155,6 +164,8 @@ def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewh
         except UncapturableError:
             raise
         except CaptureError as error:
+            if isinstance(error.__cause__, OSError):  # files that could not be written: no other export helps
+                raise
             why = first_line(error)
             step = unlifted(plan, target.owner)
             if step is not None:

@@ -186,6 +186,11 @@ def session_source(model_proto: Any) -> tuple[bytes | str, tempfile.TemporaryDir
 EXTERNAL_ABOVE = 16 * 2**20
 
 
+def _remove_if_made_here(path: Path, maker: int) -> None:
+    if os.getpid() == maker:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class GraphFolder:
     """A model written to its own temporary folder (``model.onnx``, and ``model.onnx.data`` when
     its weights are large; ``served.onnx`` beside it when onnxruntime's fused kernels apply;
@@ -201,8 +206,9 @@ class GraphFolder:
     def __init__(self, parent: str | os.PathLike | None = None) -> None:
         # Named after this process: a cache's ``work/`` folder removes those a dead process left.
         self.path = Path(tempfile.mkdtemp(prefix=owned("clika_runtime"), dir=parent))
-        # Removed with its last reference (a TemporaryDirectory would also do it, with a ResourceWarning).
-        self._remove = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
+        # Removed with its last reference (a TemporaryDirectory would also do it, with a ResourceWarning),
+        # by this process only: a forked child ending inherits the finalizer, not the folder.
+        self._remove = weakref.finalize(self, _remove_if_made_here, self.path, os.getpid())
 
     @property
     def model(self) -> Path:
