@@ -17,10 +17,11 @@ from onnxscript.function_libs.torch_lib.ops import core
 from onnxscript.onnx_opset import opset18 as op
 
 
-def unless(ok: Any, out: Any) -> Any:
-    """``out``, or a failed run where ``ok`` (a bool scalar) is false."""
+def unless(ok: Any, out: Any, dtype: Any) -> Any:
+    """``out`` (of ``dtype``: torchlib's values do not always say theirs), or a failed run where
+    ``ok`` (a bool scalar) is false."""
     one = op.Gather(op.Constant(value_ints=[1]), op.Cast(op.Not(ok), to=ir.DataType.INT64))  # [1][1]: past the end
-    if out.dtype == ir.DataType.BOOL:
+    if dtype == ir.DataType.BOOL:
         return op.And(out, op.Cast(one, to=ir.DataType.BOOL))
     return op.Mul(out, op.CastLike(one, out))  # 1 * x is x: NaN, infinities and -0.0 stay
 
@@ -49,7 +50,9 @@ def nonempty(x: Any, dim: Any, out: Any) -> Any:
     if not axes or _static_nonempty(x, axes):
         return out
     ok = _some(x, axes)
-    return tuple(unless(ok, o) for o in out) if isinstance(out, tuple) else unless(ok, out)
+    if isinstance(out, tuple):  # values, indices
+        return unless(ok, out[0], x.dtype), unless(ok, out[1], ir.DataType.INT64)
+    return unless(ok, out, x.dtype)
 
 
 def one_hot(self: Any, num_classes: int = -1) -> Any:
@@ -69,17 +72,18 @@ def one_hot(self: Any, num_classes: int = -1) -> Any:
         ok = op.And(op.GreaterOrEqual(lowest, empty_ok), op.Less(highest, depth))
     classes = op.Range(op.Constant(value_int=0), depth, op.Constant(value_int=1))
     rows = op.Cast(op.Equal(op.Unsqueeze(labels, op.Constant(value_ints=[-1])), classes), to=ir.DataType.INT64)
-    return unless(ok, rows)
+    return unless(ok, rows, ir.DataType.INT64)
 
 
 def bincount(self: Any, weights: Any | None = None, minlength: int = 0) -> Any:
     """torchlib's ``bincount``, failing on a negative number (torch raises; ONNX wraps it around)."""
-    return unless(_nonnegative(self), core.aten_bincount(self, weights, minlength))
+    return unless(_nonnegative(self), core.aten_bincount(self, weights, minlength), ir.DataType.INT64)
 
 
 def repeat_interleave(self: Any, repeats: Any | None = None, dim: int | None = None) -> Any:
     """torchlib's ``repeat_interleave`` of counts, failing on a negative count (torch raises)."""
-    return unless(_nonnegative(self if repeats is None else repeats), core.aten_repeat_interleave_Tensor(self, repeats, dim))
+    counts = self if repeats is None else repeats
+    return unless(_nonnegative(counts), core.aten_repeat_interleave_Tensor(self, repeats, dim), self.dtype)
 
 
 def _nonnegative(x: Any) -> Any:

@@ -370,6 +370,22 @@ def test_trap_values_eager_raises_on_raise_when_served(target, good, bad):
     assert counted.calls == calls  # the graph serves on
 
 
+@pytest.mark.parametrize("target", [lambda x: x.amax(0), lambda x: x.max(), lambda x: x.max(dim=1).values,
+                                    lambda x: x.int().amin(0)], ids=["amax", "max", "max-dim", "int-amin"])
+def test_a_max_of_booleans_over_a_dynamic_axis_serves_every_size(target):
+    """The check that the reduced axes hold something multiplied a bool max by 1: onnxruntime
+    refused the dynamic graph, and each size got a graph of its own (a regression a trial found)."""
+    counted = Counted(target)
+    f = cr.compile(counted)
+    for n in (3, 5):
+        f(torch.rand(n, n + 1) > 0.5)
+    calls = counted.calls
+    for n in (7, 9, 4):
+        x = torch.rand(n, n + 1) > 0.5
+        assert torch.equal(f(x), target(x))
+    assert counted.calls == calls  # served at every size
+
+
 @dataclasses.dataclass
 class _Batch:
     x: torch.Tensor
