@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
 
@@ -432,3 +433,82 @@ def test_trap_a_target_that_writes_into_a_container_argument_is_not_served(targe
             assert seen(mine) == seen(theirs)
     assert "input mutation" in f.fallback_reason or any("input mutation" in why for why in f.eager_keys.values())
     assert "batch" in str(f.eager_keys) + str(f.fallback_reason) or target is not _writes_the_batch
+
+
+def _features(features):
+    """sentence-transformers' forward: adds its outputs to the dict it was given, returns it."""
+    features["token_embeddings"] = features["input_ids"].float() * 2
+    features["sentence_embedding"] = features["token_embeddings"].mean(1)
+    return features
+
+
+def test_trap_a_target_that_returns_the_dict_it_wrote_is_served_and_writes_it():
+    """sentence-transformers' ``st.forward = cr.compile(st.forward)`` ran every call eagerly once
+    writes into a container were refused (a regression a trial found): the dict it writes is
+    the dict it returns, and a served call now writes the graph's values into it."""
+    counted = Counted(_features)
+    f = cr.compile(counted)
+    with torch.inference_mode():
+        f({"input_ids": torch.ones(2, 3, dtype=torch.long)})
+        calls = counted.calls
+        mine, theirs = {"input_ids": torch.arange(6).reshape(2, 3)}, {"input_ids": torch.arange(6).reshape(2, 3)}
+        out = f(mine)
+        _features(theirs)
+    assert counted.calls == calls  # served
+    assert out is mine and list(mine) == list(theirs)
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key])
+
+
+@dataclasses.dataclass
+class _Config:
+    scale: float = 2.0
+
+    @functools.cached_property
+    def factor(self) -> float:
+        return self.scale * 2
+
+
+def _memo_read(x, cfg):
+    if "_double" not in vars(cfg):
+        cfg._double = cfg.factor * 2  # a private memo filled on first read
+    return x * cfg._double
+
+
+def _reinserted(batch):
+    batch["x"] = batch.pop("x")  # the same entry, moved last: order is not a write
+    return batch["x"] * 2
+
+
+@pytest.mark.parametrize("target, make", [
+    (_memo_read, lambda: (torch.randn(3), _Config())),
+    (_reinserted, lambda: ({"x": torch.randn(3), "y": torch.randn(3)},)),
+], ids=["memo-and-cached-property", "dict-entry-moved"])
+def test_a_target_that_only_fills_memos_or_reorders_a_dict_is_served(target, make):
+    """A cached_property or private memo filled on read, an entry popped and put back: no value
+    a caller reads changed, yet the key served eagerly for good (a regression a trial found)."""
+    counted = Counted(target)
+    f = cr.compile(counted)
+    with torch.inference_mode():
+        f(*make())
+        calls = counted.calls
+        args = make()
+        got = f(*args)
+    assert counted.calls == calls  # served
+    torch.testing.assert_close(got, target(*args))
+
+
+def test_trap_a_write_deep_in_the_arguments_is_seen():
+    """A write five levels down was dropped by served calls (the look stopped at four)."""
+    def deep(tree):
+        leaf = tree["a"]["b"]["c"]["d"]["e"]
+        leaf["out"] = leaf["x"] * 2
+        return leaf["x"] + 1
+
+    f = cr.compile(deep)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            mine = {"a": {"b": {"c": {"d": {"e": {"x": torch.randn(3)}}}}}}
+            f(mine)
+            assert "out" in mine["a"]["b"]["c"]["d"]["e"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
 from clika_runtime.base.precision import FINITE_ONLY, FP32, Agreement, Record, row_error, row_error_allowed
 from clika_runtime.base.specs import TensorInfo
-from clika_runtime.capture import closures
+from clika_runtime.capture import closures, containers
 from clika_runtime.capture.closures import Stats
 from clika_runtime.capture.envelope import Envelope
 from clika_runtime.capture.plan import CapturePlan
@@ -89,7 +89,7 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
         key=call.key, described=call.described, names=call.names, positions=call.positions,
         dynamic=tuple(dict(d) for d in made.plan.dynamic), guard=made.guard, example=examples(feeds),
         baked=made.baked, folder=made.folder, outputs=made.outputs, parts=parts, stats=stats, run=run, flat=flat,
-        finish=kvcache.writeback(call.canonical, made.eager_out), precision_note=made.precision_note,
+        finish=_finish(call.canonical, made.eager_out), precision_note=made.precision_note,
     )
     started = time.perf_counter()
     try:
@@ -177,3 +177,17 @@ def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: 
     if short:
         raise VerificationError(f"its agreement with eager fp32 is below the agreement asked for: {short}")
     return Record(precision, agreement, tuple(measured))
+
+
+def _finish(call: tuple, eager_out: Any) -> Callable[[Any, tuple, dict], Any] | None:
+    """What a served call writes back into what it was given: a KV cache (``kvcache.writeback``),
+    the dicts and lists the target returned (``containers.writeback``)."""
+    steps = [step for step in (kvcache.writeback(call, eager_out), containers.writeback(call, eager_out)) if step]
+    if len(steps) < 2:
+        return steps[0] if steps else None
+    cache, given = steps
+
+    def finish(out: Any, args: tuple, kwargs: dict) -> Any:
+        return given(cache(out, args, kwargs), args, kwargs)
+
+    return finish

@@ -5,20 +5,30 @@ A graph returns values; it cannot replay such a write, and a served call would l
 caller's batch without the ``logits`` the eager call put there. Like an in-place write to a
 tensor, it makes the call's key serve eagerly. Told on the capturing call only, by identity:
 what each container argument held before the eager run against what it holds after.
+
+Two writes are not refused. A dict or list the call returns is the one it was given, updated
+(sentence-transformers' ``forward(features)`` adds its embeddings to ``features`` and returns
+it): a served call writes the graph's values into the caller's and returns that very object
+(``writeback``), as eager does. A memo an object fills when read (a ``functools.cached_property``,
+a new private attribute) is not a write: served calls skip filling it, and the next read fills it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, MutableMapping, MutableSequence, MutableSet
 from typing import Any, Callable, Iterator
 
+import optree
 import torch
 
 from clika_runtime.trees import kvcache
+from clika_runtime.trees import pytrees as trees
 
-_DEPTH = 4  # a batch of batches of lists is looked into; what lies deeper is not
+_DEPTH = 8  # a batch of batches of lists is looked into; what lies deeper is not
 _MOST = 10_000  # nor more containers than this in one call (a dataset passed whole)
+_REPLAYED = (MutableMapping, list)  # the containers ``writeback`` writes a served call's values into
 
 
 class Held:
@@ -26,16 +36,63 @@ class Held:
 
     def __init__(self, args: tuple, kwargs: dict, name_of: Callable[[int], str]) -> None:
         roots = [(name_of(i), a) for i, a in enumerate(args)] + list(kwargs.items())
-        self._held = list(_contents(roots))
+        self._call = (args, kwargs)
+        self._held = [(path, c, _snapshot(c)) for path, c in _containers(roots) if _writable(c)]
 
-    def written(self) -> list[str]:
-        """The containers whose contents changed since, named by their path in the call."""
-        return [path for path, container, before in self._held if not _same(_snapshot(container), before)]
+    def written(self, out: Any) -> list[str]:
+        """The containers whose contents changed since, named by their path in the call; not
+        those the call returned (``out``), which a served call writes (``writeback``)."""
+        returned = _replayed(self._call, out)
+        return [path for path, c, before in self._held
+                if id(c) not in returned and not _unchanged(c, before, _snapshot(c))]
 
 
-def _contents(roots: list[tuple[str, Any]]) -> Iterator[tuple[str, Any, tuple]]:
+def writeback(call: tuple, eager_out: Any) -> Callable[[Any, tuple, dict], Any] | None:
+    """How a served call updates the mappings and lists eager returned that the call was given:
+    ``finish(out, args, kwargs)`` writes the graph's (in ``out``) into the caller's, in place,
+    and returns ``out`` holding those very objects. ``None`` when eager returned none."""
+    replayed = _replayed(call, eager_out)
+    if not replayed:
+        return None
+    # The deepest first: an outer container then takes the inner one, already written, as it holds it.
+    pairs = sorted(replayed.values(), key=lambda pair: -len(pair[1]))
+
+    def finish(out: Any, args: tuple, kwargs: dict) -> Any:
+        for source, path in pairs:
+            mine, served = source((args, kwargs)), path(out)
+            if isinstance(mine, MutableMapping):  # a dict, a tokenizer's BatchEncoding
+                mine.clear()
+                mine.update(served)
+            else:
+                mine[:] = served
+            out = kvcache.put(out, tuple(path), mine)
+        return out
+
+    return finish
+
+
+def _replayed(call: tuple, out: Any) -> dict[int, tuple[Any, Any]]:
+    """The mappings and lists ``out`` holds that ``call`` was given, by id: where each is in the
+    call and in the output (pytree accessors: the paths a served call's trees share)."""
+    given = {id(c) for _, c in _containers([("", call)]) if isinstance(c, _REPLAYED)}
+    shared = given & {id(c) for _, c in _containers([("", out)]) if isinstance(c, _REPLAYED)}
+    if not shared:
+        return {}
+    sources, paths = dict(_accessors(call, shared)), dict(_accessors(out, shared))
+    return {i: (sources[i], paths[i]) for i in shared if i in sources and i in paths and kvcache.puttable(out, paths[i])}
+
+
+def _accessors(tree: Any, wanted: set[int]) -> Iterator[tuple[int, Any]]:
+    """(id, accessor) of each container in ``tree`` whose id is ``wanted``."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(
+        tree, is_leaf=lambda node: id(node) in wanted, none_is_leaf=True, namespace=trees.NAMESPACE)
+    return ((id(leaf), accessor) for accessor, leaf in zip(accessors, leaves) if id(leaf) in wanted)
+
+
+def _containers(roots: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Each container reachable from ``roots`` (once), with its path."""
     seen: set[int] = set()
-    todo = [(path, value, 0) for path, value in roots]
+    todo = [(path, value, 0) for path, value in reversed(roots)]
     while todo and len(seen) < _MOST:
         path, value, depth = todo.pop()
         if id(value) in seen or isinstance(value, (torch.Tensor, torch.nn.Module)) or kvcache.is_cache(value):
@@ -44,10 +101,9 @@ def _contents(roots: list[tuple[str, Any]]) -> Iterator[tuple[str, Any, tuple]]:
         if children is None:
             continue
         seen.add(id(value))
-        if _writable(value):
-            yield path, value, _snapshot(value)
+        yield path, value
         if depth < _DEPTH:
-            todo += [(f"{path}[{key!r}]", child, depth + 1) for key, child in children]
+            todo += [(f"{path}[{key!r}]", child, depth + 1) for key, child in reversed(children)]
 
 
 def _children(value: Any) -> list[tuple[Any, Any]] | None:
@@ -57,21 +113,17 @@ def _children(value: Any) -> list[tuple[Any, Any]] | None:
     if isinstance(value, (list, tuple, MutableSequence)):
         return list(enumerate(value))
     if isinstance(value, MutableSet):
-        return [(i, v) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+        return list(enumerate(value))
     if _plain_object(value):
         return list(vars(value).items())
     return None
 
 
 def _writable(value: Any) -> bool:
-    return isinstance(value, (MutableMapping, MutableSequence, MutableSet)) or _has_attributes(value)
-
-
-def _has_attributes(value: Any) -> bool:
+    if isinstance(value, (MutableMapping, MutableSequence, MutableSet)):
+        return True
     params = getattr(type(value), "__dataclass_params__", None)
-    return (params is not None and not params.frozen) or _plain_object(value)
+    return (params is not None and not params.frozen) if dataclasses.is_dataclass(value) else _plain_object(value)
 
 
 def _plain_object(value: Any) -> bool:
@@ -79,17 +131,31 @@ def _plain_object(value: Any) -> bool:
     return hasattr(value, "__dict__") and not callable(value) and type(value).__module__ not in ("builtins", "types")
 
 
-def _snapshot(container: Any) -> tuple:
+def _snapshot(container: Any) -> dict | list:
+    """What ``container`` holds: its items by key (a mapping's, an object's attributes) or in order."""
     if isinstance(container, Mapping):
-        items = list(container.items())
-    elif isinstance(container, MutableSet):
-        items = [(v, v) for v in container]
-    elif isinstance(container, (list, MutableSequence)):
-        items = list(enumerate(container))
-    else:
-        items = list(vars(container).items()) if hasattr(container, "__dict__") else []
-    return tuple(items)
+        return dict(container.items())
+    if isinstance(container, MutableSet):
+        return [(id(v), v) for v in container]
+    if isinstance(container, (list, MutableSequence)):
+        return list(container)
+    return dict(vars(container)) if hasattr(container, "__dict__") else {}
 
 
-def _same(now: tuple, before: tuple) -> bool:
-    return len(now) == len(before) and all(k is j and v is w for (k, v), (j, w) in zip(now, before))
+def _unchanged(container: Any, before: dict | list, now: dict | list) -> bool:
+    if isinstance(before, list):
+        return len(now) == len(before) and all(a is b for a, b in zip(now, before))
+    assert isinstance(now, dict)
+    if any(key not in now or now[key] is not value for key, value in before.items()):
+        return False  # an entry replaced or taken away (in a mapping, order is not a write)
+    added = [key for key in now if key not in before]
+    if isinstance(container, Mapping):
+        return not added
+    return all(_memo(type(container), key) for key in added)
+
+
+def _memo(cls: type, name: Any) -> bool:
+    """Whether an attribute an object gained is a memo its reads fill: a private name, or a
+    ``functools.cached_property`` of its class."""
+    return isinstance(name, str) and (name.startswith("_") or isinstance(getattr(cls, name, None),
+                                                                          functools.cached_property))

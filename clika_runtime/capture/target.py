@@ -63,7 +63,7 @@ class Target:
         held = containers.Held(args, kwargs, self.forms.argument_name)
         out = self.eager(args, kwargs)  # the target's own exceptions reach the caller unchanged
         mutated = [n for n, t, b in zip(names, feeds, before) if b is not None and _mutated(t, b)]
-        return out, mutated + held.written()
+        return out, mutated + held.written(out)
 
     def place_for(self, feeds: Sequence[Any]) -> serving.Place:
         """Where a capture of these feeds runs: the given place, else CUDA for CUDA inputs when
