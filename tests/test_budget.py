@@ -127,3 +127,23 @@ def test_a_budget_spent_by_changing_weights_waits_for_still_weights_whatever_the
             torch.testing.assert_close(f(x), model(x))
     assert f.state is not Fallback, f.fallback_reason
     assert sum(c.hits for c in f.captures) >= 1
+
+
+def test_trap_keys_first_called_at_batch_1_never_spend_the_budget():
+    """A key first called at batch 1 is traced there (torch.export specialises size 1); its next
+    batch re-captured it dynamic and spent the budget as drift: a server whose new keys often
+    start with a single request fell back for good (a trial: eight string modes)."""
+    cr.config.recapture_limit = 2
+    model = torch.nn.Linear(4, 4).eval()
+    target = Counted(lambda x, mode: model(x) * len(mode))
+    f = cr.compile(target)
+    with torch.no_grad():
+        for k in range(4):
+            mode = "m" * (k + 1)
+            for batch in (1, 4, 6, 2, 7):
+                x = torch.randn(batch, 4)
+                torch.testing.assert_close(f(x, mode), model(x) * len(mode))
+        assert f.state is not Fallback, f.fallback_reason
+        calls = target.calls
+        f(torch.randn(5, 4), "m")
+    assert target.calls == calls  # served

@@ -147,7 +147,7 @@ def _within_key(table: CacheTable, call: Call, variants: Sequence["Capture"], op
     reasons = [_drift(p) if p.kind == "size" else str(p) for p in problems]
     untied = table.knowledge.untied | _split(capture, problems, call)
     plan = CapturePlan(call, dynamic, declared, "; ".join(reasons), replaces=tuple(map(weakref.ref, variants)),
-                       untied=untied)
+                       untied=untied, spends=not _from_small_sizes(problems))
     return _budgeted(table, plan)
 
 
@@ -189,6 +189,14 @@ def _pinned(capture: "Capture", problems: Sequence[Any], call: Call, static: set
     sized = [p for p in problems if p.kind == "size"]
     return len(sized) == len(problems) > 0 and all(
         p.axis in capture.dynamic[call.names.index(p.input)] or (p.input, p.axis) in static for p in sized)
+
+
+def _from_small_sizes(problems: Sequence[Any]) -> bool:
+    """Whether a call drifts only from sizes 0/1 a graph was traced static at (torch.export
+    specialises them: a key first called at batch 1): the graph that makes those axes dynamic is
+    the key's second step, no waste, and comes once per axis, so it spends no budget."""
+    return bool(problems) and all(p.kind == "size" and isinstance(p.expected, int) and p.expected < 2
+                                  for p in problems)
 
 
 def _small_sizes(problems: Sequence[Any]) -> bool:
