@@ -667,3 +667,30 @@ def test_trap_folders_forked_workers_left_are_removed_while_the_parent_lives(tmp
     assert left, "the worker left no folder: nothing to test"
     _capture(torch.nn.Linear(4, 9).eval(), torch.randn(2, 4))  # the parent's next capture
     assert not [p for p in left if p.exists()], left
+
+
+def test_trap_weights_swapped_while_a_graph_is_restored_are_not_served_stale(monkeypatch):
+    """Another thread's load_state_dict landing between a capture's eager run and the disk-cache
+    restore: the entry found for the old weights (verified against the eager run, which had them)
+    was installed watching the new weights' versions, and served the old checkpoint until the
+    next swap (a trial: 59 stale answers in 1.3 million calls)."""
+    from clika_runtime.cache import restore
+
+    torch.manual_seed(0)
+    old, new = torch.nn.Linear(4, 3).state_dict(), torch.nn.Linear(4, 3).state_dict()
+    model, x = torch.nn.Linear(4, 3).eval(), torch.randn(2, 4)
+    model.load_state_dict(old)
+    _capture(model, x)  # the old weights' graph, in the disk cache
+    found_again = restore.found_again
+
+    def swapped_meanwhile(*args, **kwargs):  # the other thread's swap lands here
+        monkeypatch.setattr(restore, "found_again", found_again)
+        model.load_state_dict(new)
+        return found_again(*args, **kwargs)
+
+    monkeypatch.setattr(restore, "found_again", swapped_meanwhile)
+    f = _capture(model, x)  # eager with the old weights, then the swap, then the restore
+    assert model.weight.data_ptr() and torch.equal(model.weight.detach(), new["weight"])
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model(x))  # the new weights' answer
+        torch.testing.assert_close(f(x), model(x))

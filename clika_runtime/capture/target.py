@@ -57,13 +57,14 @@ class Target:
                 raise
 
     def eager_checked(self, feeds: Sequence[Any], names: Sequence[str], args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
-        """The eager result, and the names of the fed tensors the call mutated in place and of
-        the containers among its arguments it wrote into."""
+        """The eager result, and the names of the fed tensors the call mutated in place."""
         before = [_before(t) if isinstance(t, _Tensor) else None for t in feeds]
-        held = containers.Held(args, kwargs, self.forms.argument_name)
         out = self.eager(args, kwargs)  # the target's own exceptions reach the caller unchanged
-        mutated = [n for n, t, b in zip(names, feeds, before) if b is not None and _mutated(t, b)]
-        return out, mutated + held.written(out)
+        return out, [n for n, t, b in zip(names, feeds, before) if b is not None and _mutated(t, b)]
+
+    def held(self, args: tuple, kwargs: dict) -> containers.Held:
+        """What the containers among a call's arguments hold, to tell after it which it wrote into."""
+        return containers.Held(args, kwargs, self.forms.argument_name)
 
     def place_for(self, feeds: Sequence[Any]) -> serving.Place:
         """Where a capture of these feeds runs: the given place, else CUDA for CUDA inputs when

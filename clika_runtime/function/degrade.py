@@ -51,6 +51,7 @@ class Attempt:
     static_axes: list[tuple[str, int]]
     unliftable: frozenset[int]
     said: list[str] = field(default_factory=list)
+    restored: bool = False  # found in the disk cache, not exported
 
 
 def build(target: Target, plan: CapturePlan, out: Any, ahead: restore.Ahead | None = None,
@@ -131,7 +132,7 @@ def _cached_or_exported(target: Target, plan: CapturePlan, out: Any, ahead: rest
         if found is not None:
             capture, used, meta = found
             return Attempt(capture, used, list(meta["notes"]), [tuple(a) for a in meta["static_axes"]],
-                           frozenset(meta["unliftable"]))
+                           frozenset(meta["unliftable"]), restored=True)
     work = slot.cache.ready() if slot is not None else None
     try:
         attempt = _exported(target, plan, out, work, elsewhere, on_trace)

@@ -184,9 +184,11 @@ class Lifecycle(Fallbacks):
             before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
             weights_written = weights.written_later(self.target.owner)
         ahead = restore.ahead(self.target, plan)  # the disk cache looked up beside the eager call
+        held = self.target.held(args, kwargs)  # (outside the noting: our code reads no state of theirs)
         with reads.noted() as codes:  # the code the eager run runs: the names it can read
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
         progress.ran, progress.out = True, out
+        mutated += held.written(out)
         if mutated:
             return self._refuse(plan.call, mutation(mutated), generation, lambda: out, plan.point)
         with TARGETS.shared():
@@ -215,8 +217,9 @@ class Lifecycle(Fallbacks):
             return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
         finally:
             put_back()
-        if _switched(self.target.owner, plan.call):
-            return self._unmade(_SWITCHED, generation, out)
+        changed = _changed(self.target.owner, plan.call, attempt, weights_written)
+        if changed is not None:
+            return self._unmade(changed, generation, out)
         written = rewrites.of(ran)
         snapshot = after.without(written)
         seen = reads.read(codes, before.holders)
@@ -316,6 +319,19 @@ def _meanwhile(owner: torch.nn.Module | None, call: Call, ran: staleness.Written
         since = after.moved() - ran  # moved after the eager run, which did not write it
     others = since if rewrites.moved is None else since | (ran - rewrites.moved)
     return f"model changed while capturing: {staleness.words(others)}" if others else None
+
+
+def _changed(owner: torch.nn.Module | None, call: Call, attempt: degrade.Attempt,
+             weights_written: Callable[[], bool]) -> str | None:
+    """Why a capture made must not be installed, when the model changed since its eager run: the
+    training flag switched, or weights written under a graph the disk cache gave (found, and
+    verified, for the weights the eager run had; a graph exported meanwhile bakes those it reads,
+    and its watch sees later writes)."""
+    if _switched(owner, call):
+        return _SWITCHED
+    if attempt.restored and weights_written():
+        return "model changed while capturing: weights written in place or replaced"
+    return None
 
 
 def _switched(owner: torch.nn.Module | None, call: Call) -> bool:

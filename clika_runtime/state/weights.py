@@ -132,11 +132,22 @@ def _place(root: torch.nn.Module, name: str, tensor: torch.Tensor) -> tuple[dict
 
 
 def written_later(owner: torch.nn.Module | None) -> Callable[[], bool]:
-    """A check of whether a parameter or buffer of ``owner`` has been written in place since this
-    call (another thread's training step while a capture is made)."""
-    tensors = [*owner.parameters(), *owner.buffers()] if owner is not None else []
-    versions = [_version_of(t) for t in tensors]
-    return lambda: [_version_of(t) for t in tensors] != versions
+    """A check of whether a parameter or buffer of ``owner`` has been written in place, or
+    replaced (``load_state_dict(assign=True)``), since this call (another thread's training step
+    or checkpoint swap while a capture is made)."""
+    if owner is None:
+        return lambda: False
+    before = _held(owner)
+
+    def written() -> bool:
+        now = _held(owner)
+        return len(now) != len(before) or any(t is not u or v != w for (t, v), (u, w) in zip(now, before))
+
+    return written
+
+
+def _held(owner: torch.nn.Module) -> list[tuple[torch.Tensor, int | None]]:
+    return [(t, _version_of(t)) for t in (*owner.parameters(), *owner.buffers())]
 
 
 STILL_CALLS = 2  # calls in a row that find the weights unwritten: they hold still (``Stillness``)
