@@ -65,7 +65,7 @@ def writeback(call: tuple, eager_out: Any) -> Callable[[Any, tuple, dict], Any] 
                 mine.update(served)
             else:
                 mine[:] = served
-            out = kvcache.put(out, tuple(path), mine)
+            out = trees.put(out, tuple(path), mine)
         return out
 
     return finish
@@ -79,7 +79,7 @@ def _replayed(call: tuple, out: Any) -> dict[int, tuple[Any, Any]]:
     if not shared:
         return {}
     sources, paths = dict(_accessors(call, shared)), dict(_accessors(out, shared))
-    return {i: (sources[i], paths[i]) for i in shared if i in sources and i in paths and kvcache.puttable(out, paths[i])}
+    return {i: (sources[i], paths[i]) for i in shared if i in sources and i in paths and trees.puttable(out, paths[i])}
 
 
 def _accessors(tree: Any, wanted: set[int]) -> Iterator[tuple[int, Any]]:

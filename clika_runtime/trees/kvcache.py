@@ -55,11 +55,8 @@ at module level; the classes are registered on the first miss after ``transforme
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
-from collections.abc import MutableMapping
-from dataclasses import replace
 from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence
 
 import optree
@@ -381,7 +378,7 @@ def writeback(call_tree: Any, eager_out: Any) -> Callable[[Any, tuple, dict], An
         for source, out_path, adopt in pairs:
             mine = source(call)
             adopt(mine, out_path(out))
-            out = put(out, tuple(out_path), mine)
+            out = trees.put(out, tuple(out_path), mine)
         return out
 
     return finish
@@ -396,52 +393,9 @@ def _cache_paths(tree: Any) -> list[tuple[Any, Any]]:
 
 
 def _check_writable(tree: Any, path: Sequence[Any]) -> None:
-    if not puttable(tree, path):
-        raise ValueError(f"a cache returned inside a {_blocking(tree, path)}, which the adapter cannot rebuild")
-
-
-def puttable(tree: Any, path: Sequence[Any]) -> bool:
-    """Whether ``put`` can replace the node at ``path`` in trees shaped as ``tree``."""
-    return _blocking(tree, path) is None
-
-
-def _blocking(tree: Any, path: Sequence[Any]) -> str | None:
-    node = tree
-    for entry in path:
-        if not isinstance(node, (tuple, list, MutableMapping)) and not dataclasses.is_dataclass(node):
-            return type(node).__name__
-        node = entry(node)
-    return None
-
-
-def put(tree: Any, path: tuple, value: Any) -> Any:
-    """``tree`` with the node at ``path`` replaced by ``value`` (mappings and lists in place,
-    tuples and frozen dataclasses rebuilt)."""
-    if not path:
-        return value
-    entry = path[0]
-    child = entry(tree)
-    new = put(child, path[1:], value)
-    if new is child:
-        return tree
-    key = entry.entry
-    if isinstance(tree, MutableMapping):  # dicts, BatchEncodings, ModelOutputs (whose setitem sets the attribute too)
-        tree[key] = new
-        return tree
-    if isinstance(tree, list):
-        tree[key] = new
-        return tree
-    if isinstance(tree, tuple):
-        items = list(tree)
-        items[key] = new
-        return tree._make(items) if hasattr(tree, "_make") else type(tree)(items)
-    if dataclasses.is_dataclass(tree):
-        try:
-            setattr(tree, key, new)
-            return tree
-        except dataclasses.FrozenInstanceError:
-            return replace(tree, **{key: new})
-    raise ValueError(f"cannot put a value into a {type(tree).__name__}")
+    blocking = trees.blocking(tree, path)
+    if blocking is not None:
+        raise ValueError(f"a cache returned inside a {blocking}, which the adapter cannot rebuild")
 
 
 # ------------------------------------------------------------------------------------------ shipping

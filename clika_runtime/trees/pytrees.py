@@ -14,6 +14,7 @@ import keyword
 import re
 import threading
 from collections import OrderedDict, UserDict, defaultdict, deque
+from collections.abc import MutableMapping
 from typing import Any, Callable, Sequence
 
 import optree
@@ -365,3 +366,48 @@ def output_names(tree: Any, leaves: Sequence[Any]) -> list[str]:
         name = identifier(path, "output")
         names.append(f"out{name}" if name.startswith("_") and name[1:2].isdigit() else name)
     return unique(names)
+
+
+def puttable(tree: Any, path: Sequence[Any]) -> bool:
+    """Whether ``put`` can replace the node at ``path`` in trees shaped as ``tree``."""
+    return blocking(tree, path) is None
+
+
+def blocking(tree: Any, path: Sequence[Any]) -> str | None:
+    """The type of the first node on ``path`` that ``put`` cannot rebuild, or ``None``."""
+    node = tree
+    for entry in path:
+        if not isinstance(node, (tuple, list, MutableMapping)) and not dataclasses.is_dataclass(node):
+            return type(node).__name__
+        node = entry(node)
+    return None
+
+
+def put(tree: Any, path: tuple, value: Any) -> Any:
+    """``tree`` with the node at ``path`` replaced by ``value`` (mappings and lists in place,
+    tuples and frozen dataclasses rebuilt)."""
+    if not path:
+        return value
+    entry = path[0]
+    child = entry(tree)
+    new = put(child, path[1:], value)
+    if new is child:
+        return tree
+    key = entry.entry
+    if isinstance(tree, MutableMapping):  # dicts, BatchEncodings, ModelOutputs (whose setitem sets the attribute too)
+        tree[key] = new
+        return tree
+    if isinstance(tree, list):
+        tree[key] = new
+        return tree
+    if isinstance(tree, tuple):
+        items = list(tree)
+        items[key] = new
+        return tree._make(items) if hasattr(tree, "_make") else type(tree)(items)
+    if dataclasses.is_dataclass(tree):
+        try:
+            setattr(tree, key, new)
+            return tree
+        except dataclasses.FrozenInstanceError:
+            return dataclasses.replace(tree, **{key: new})
+    raise ValueError(f"cannot put a value into a {type(tree).__name__}")
