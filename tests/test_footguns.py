@@ -512,3 +512,67 @@ def test_trap_a_write_deep_in_the_arguments_is_seen():
             mine = {"a": {"b": {"c": {"d": {"e": {"x": torch.randn(3)}}}}}}
             f(mine)
             assert "out" in mine["a"]["b"]["c"]["d"]["e"]
+
+
+def test_trap_a_model_output_the_target_writes_and_returns_is_left_whole():
+    """A HuggingFace ModelOutput refuses ``update``: the write-back emptied the caller's object,
+    then failed ("this is a bug in clika_runtime") on every call (a regression a trial found).
+    Such a write is an input mutation: eager, the caller's object as eager leaves it."""
+    from transformers.utils import ModelOutput
+
+    @dataclasses.dataclass
+    class Feats(ModelOutput):
+        x: torch.Tensor | None = None
+        y: torch.Tensor | None = None
+
+    def step(o):
+        o["y"] = o.x * 2
+        return o
+
+    f = cr.compile(step)
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            mine = Feats(x=x)
+            out = f(mine)
+            assert out is mine and list(mine.keys()) == ["x", "y"] and torch.equal(mine.y, x * 2)
+    assert not any("bug in clika_runtime" in str(w.message) for w in said)
+
+
+def test_a_dict_the_target_writes_is_written_back_wherever_the_output_holds_it():
+    """Returned inside a dataclass of a type never flattened before, twice, or holding a written
+    dict of its own: each place holds the caller's object, as eager's does (a trial found the
+    dataclass refused in a fresh process, one of two places a new dict, the inner dict refused)."""
+    @dataclasses.dataclass
+    class Out:
+        batch: dict
+        total: torch.Tensor
+
+    def in_a_dataclass(b):
+        b["y"] = b["x"] * 2
+        return Out(b, b["y"].sum())
+
+    def twice(b):
+        b["y"] = b["x"] * 2
+        return b, {"again": b}
+
+    def nested(b):
+        b["sub"]["w"] = b["x"] + 1
+        return b
+
+    cases = [(in_a_dataclass, lambda out, b: out.batch is b), (twice, lambda out, b: out[0] is b and out[1]["again"] is b),
+             (nested, lambda out, b: out is b and out["sub"] is b["sub"] and "w" in b["sub"])]
+    for target, holds in cases:
+        counted = Counted(target)
+        f = cr.compile(counted)
+        with torch.inference_mode():
+            f({"x": torch.randn(3), "sub": {}})
+            calls = counted.calls
+            mine, theirs = {"x": torch.randn(3), "sub": {}}, None
+            theirs = {"x": mine["x"].clone(), "sub": {}}
+            out = f(mine)
+            target(theirs)
+        assert counted.calls == calls, target.__name__  # served
+        assert holds(out, mine), target.__name__
+        torch.testing.assert_close(mine, theirs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import OrderedDict, UserDict, defaultdict
 from collections.abc import Mapping, MutableMapping, MutableSequence, MutableSet
 from typing import Any, Callable, Iterator
 
@@ -28,7 +29,6 @@ from clika_runtime.trees import pytrees as trees
 
 _DEPTH = 8  # a batch of batches of lists is looked into; what lies deeper is not
 _MOST = 10_000  # nor more containers than this in one call (a dataset passed whole)
-_REPLAYED = (MutableMapping, list)  # the containers ``writeback`` writes a served call's values into
 
 
 class Held:
@@ -42,6 +42,7 @@ class Held:
     def written(self, out: Any) -> list[str]:
         """The containers whose contents changed since, named by their path in the call; not
         those the call returned (``out``), which a served call writes (``writeback``)."""
+        trees.adopt(out)  # a dataclass returned is a node, as the capture will flatten it
         returned = _replayed(self._call, out)
         return [path for path, c, before in self._held
                 if id(c) not in returned and not _unchanged(c, before, _snapshot(c))]
@@ -50,43 +51,55 @@ class Held:
 def writeback(call: tuple, eager_out: Any) -> Callable[[Any, tuple, dict], Any] | None:
     """How a served call updates the mappings and lists eager returned that the call was given:
     ``finish(out, args, kwargs)`` writes the graph's (in ``out``) into the caller's, in place,
-    and returns ``out`` holding those very objects. ``None`` when eager returned none."""
+    and returns ``out`` holding those very objects wherever eager's held them. ``None`` when
+    eager returned none."""
     replayed = _replayed(call, eager_out)
     if not replayed:
         return None
     # The deepest first: an outer container then takes the inner one, already written, as it holds it.
-    pairs = sorted(replayed.values(), key=lambda pair: -len(pair[1]))
+    pairs = sorted(replayed.values(), key=lambda pair: -max(map(len, pair[1])))
 
     def finish(out: Any, args: tuple, kwargs: dict) -> Any:
-        for source, path in pairs:
-            mine, served = source((args, kwargs)), path(out)
-            if isinstance(mine, MutableMapping):  # a dict, a tokenizer's BatchEncoding
+        for source, paths in pairs:
+            mine, served = source((args, kwargs)), paths[0](out)
+            if isinstance(mine, list):
+                mine[:] = served
+            else:
                 mine.clear()
                 mine.update(served)
-            else:
-                mine[:] = served
-            out = trees.put(out, tuple(path), mine)
+            for path in paths:
+                out = trees.put(out, tuple(path), mine)
         return out
 
     return finish
 
 
-def _replayed(call: tuple, out: Any) -> dict[int, tuple[Any, Any]]:
-    """The mappings and lists ``out`` holds that ``call`` was given, by id: where each is in the
-    call and in the output (pytree accessors: the paths a served call's trees share)."""
-    given = {id(c) for _, c in _containers([("", call)]) if isinstance(c, _REPLAYED)}
-    shared = given & {id(c) for _, c in _containers([("", out)]) if isinstance(c, _REPLAYED)}
-    if not shared:
-        return {}
-    sources, paths = dict(_accessors(call, shared)), dict(_accessors(out, shared))
-    return {i: (sources[i], paths[i]) for i in shared if i in sources and i in paths and trees.puttable(out, paths[i])}
+def _replayable(container: Any) -> bool:
+    """A container ``writeback`` can refill: a list, a plain dict (and ``OrderedDict``,
+    ``defaultdict``), a ``UserDict`` (a tokenizer's ``BatchEncoding``). Not a HuggingFace
+    ``ModelOutput``, which refuses ``update`` and ``del``: a write into one is a mutation."""
+    return type(container) in (list, dict, OrderedDict, defaultdict) or isinstance(container, UserDict)
 
 
-def _accessors(tree: Any, wanted: set[int]) -> Iterator[tuple[int, Any]]:
-    """(id, accessor) of each container in ``tree`` whose id is ``wanted``."""
+def _replayed(call: tuple, out: Any) -> dict[int, tuple[Any, list[Any]]]:
+    """The containers ``out`` holds that ``call`` was given and ``writeback`` can refill, by id:
+    where each is in the call, and every place it is in the output (pytree accessors: the paths
+    a served call's trees share)."""
+    given = {id(c) for _, c in _containers([("", call)]) if _replayable(c)}
+    shared = given & {id(c) for _, c in _containers([("", out)]) if _replayable(c)}
+    replayed = {}
+    for i in shared:
+        sources, paths = _accessors(call, i), [p for p in _accessors(out, i) if trees.puttable(out, p)]
+        if sources and paths:
+            replayed[i] = (sources[0], paths)
+    return replayed
+
+
+def _accessors(tree: Any, wanted: int) -> list[Any]:
+    """The accessors of every place ``tree`` holds the container whose id is ``wanted``."""
     accessors, leaves, _ = optree.tree_flatten_with_accessor(
-        tree, is_leaf=lambda node: id(node) in wanted, none_is_leaf=True, namespace=trees.NAMESPACE)
-    return ((id(leaf), accessor) for accessor, leaf in zip(accessors, leaves) if id(leaf) in wanted)
+        tree, is_leaf=lambda node: id(node) == wanted, none_is_leaf=True, namespace=trees.NAMESPACE)
+    return [accessor for accessor, leaf in zip(accessors, leaves) if id(leaf) == wanted]
 
 
 def _containers(roots: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
