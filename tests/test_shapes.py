@@ -528,6 +528,23 @@ def test_trap_a_size_the_trace_computed_as_a_constant_is_not_served_at_other_siz
             assert got.shape == want.shape and torch.equal(got, want), (n, got.shape, want.shape)
 
 
+def _branch_and_seven_tenths(x):
+    y = x.clamp(min=0) if x.shape[0] == 1 else x
+    return y[:, : int(x.shape[1] * 0.7)].sum(1)
+
+
+def test_trap_a_baked_size_that_one_size_shorter_cannot_show_is_not_served():
+    """``int(n * 0.7)`` is 2 at both 4 and 3: the graph made dynamic from a length-4 call passed
+    its second size (one shorter) and served length 9 with the slice of length 2 (0.39 off; a
+    trial, with a batch-1 branch beside it). A second size far enough to move such a size is
+    checked too."""
+    f = cr.compile(_branch_and_seven_tenths)
+    with torch.inference_mode():
+        for b, n in ((3, 6), (1, 4), (5, 6), (3, 4), (1, 9), (1, 13), (3, 11)):
+            x = torch.randn(b, n, 4)
+            torch.testing.assert_close(f(x), _branch_and_seven_tenths(x), msg=f"at {(b, n)}")
+
+
 def _linear_halved(x):
     return torch.nn.functional.interpolate(x, scale_factor=0.5, mode="linear", align_corners=True)
 

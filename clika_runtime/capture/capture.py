@@ -126,42 +126,46 @@ def _build(
 
 
 def second_size(capture: Capture, plan: CapturePlan, trace: Callable[..., list[Any]], names: Sequence[str]) -> None:
-    """Raise ``SecondSizeError`` where the graph disagrees with eager at a second size, where
-    the guard accepts it and the target answers: each dynamic axis of at least 3 one shorter, or
-    longer where one is 2 (``_elsewhere``). torch.export bakes a size computed in Python
+    """Raise ``SecondSizeError`` where the graph disagrees with eager at other sizes, where the
+    guard accepts them and the target answers: each dynamic axis of at least 3 one shorter (or
+    longer where one is 2), then each about twice as long (``_elsewhere``). torch.export bakes a size computed in Python
     floats (``int(n * 0.7)``, interpolate's ``area`` length, an output of length 1) as its value
     at the traced size, leaving the axis dynamic: the one verified size could not show it."""
     feeds = list(plan.call.feeds)
-    other = _elsewhere(feeds, plan.dynamic)
-    if all(s is f for s, f in zip(other, feeds)) or capture.guard.mismatches(examples(other)):
-        return
-    try:
-        eager_leaves = trace(*other)
-    except Exception:  # the target does not take these sizes: nothing to judge by
-        return
-    try:
-        served = trees.flatten(capture.run(other))[0]
-    except Exception as e:
-        raise SecondSizeError(f"the graph failed at a second size ({_sizes(other)}): {first_line(e)}") from e
-    finally:
-        capture.stats.hits = 0  # the verification run served no call
-    problem = first_mismatch(list(names), eager_leaves, served)
-    if problem:
-        raise SecondSizeError(f"the graph disagrees with eager at a second size ({_sizes(other)}): {problem}")
+    for other in _elsewhere(feeds, plan.dynamic):
+        if all(s is f for s, f in zip(other, feeds)) or capture.guard.mismatches(examples(other)):
+            continue
+        try:
+            eager_leaves = trace(*other)
+        except Exception:  # the target does not take these sizes: nothing to judge by
+            continue
+        try:
+            served = trees.flatten(capture.run(other))[0]
+        except Exception as e:
+            raise SecondSizeError(f"the graph failed at a second size ({_sizes(other)}): {first_line(e)}") from e
+        finally:
+            capture.stats.hits = 0  # the verification run served no call
+        problem = first_mismatch(list(names), eager_leaves, served)
+        if problem:
+            raise SecondSizeError(f"the graph disagrees with eager at a second size ({_sizes(other)}): {problem}")
 
 
 _LONGER = 3
+_FARTHER = 64  # the farthest second size looks, past the call's (its cost: one eager call that long)
 
 
-def _elsewhere(feeds: Sequence[Any], dynamic: Sequence[Mapping[int, Any]]) -> list[Any]:
-    """The feeds with every dynamic axis of at least 3 one shorter, or, where one of them is 2
-    (shorter is a size the trace assumes away), every one of at least 2 three longer, its last
-    slice repeated (at 3, an output of length 1 and its edge cases would still look alike). One
-    step the same way for all keeps the axes that are one size, or one more than another, so."""
+def _elsewhere(feeds: Sequence[Any], dynamic: Sequence[Mapping[int, Any]]) -> list[list[Any]]:
+    """The feeds at other sizes: every dynamic axis of at least 3 one shorter, or, where one of
+    them is 2 (shorter is a size the trace assumes away), every one of at least 2 three longer,
+    its last slice repeated (at 3, an output of length 1 and its edge cases would still look
+    alike); then every one as much longer as the longest is long, up to ``_FARTHER`` (a baked
+    ``int(n * 0.7)`` is 2 at both 4 and 3, not at 8). One step the same way for all keeps the
+    axes that are one size, or one more than another, so."""
     sizes = [feed.shape[axis] for feed, axes in zip(feeds, dynamic) if isinstance(feed, torch.Tensor) for axis in axes]
-    step = _LONGER if 2 in sizes else -1
-    return [_stepped(feed, axes, step) if isinstance(feed, torch.Tensor) else feed
-            for feed, axes in zip(feeds, dynamic)]
+    near = _LONGER if 2 in sizes else -1
+    far = max(_LONGER, min(max(sizes, default=0), _FARTHER))
+    return [[_stepped(feed, axes, step) if isinstance(feed, torch.Tensor) else feed
+             for feed, axes in zip(feeds, dynamic)] for step in dict.fromkeys((near, far))]
 
 
 def _stepped(feed: torch.Tensor, axes: Mapping[int, Any], step: int) -> torch.Tensor:
