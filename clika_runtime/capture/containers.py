@@ -6,10 +6,11 @@ caller's batch without the ``logits`` the eager call put there. Like an in-place
 tensor, it makes the call's key serve eagerly. Told on the capturing call only, by identity:
 what each container argument held before the eager run against what it holds after.
 
-Two writes are not refused. A dict or list the call returns is the one it was given, updated
-(sentence-transformers' ``forward(features)`` adds its embeddings to ``features`` and returns
-it): a served call writes the graph's values into the caller's and returns that very object
-(``writeback``), as eager does. A memo an object fills when read (a ``functools.cached_property``,
+Two writes are not refused. A dict, ``UserDict`` or list the call returns is the one it was
+given, updated (sentence-transformers' ``forward(features)`` adds its embeddings to ``features``
+and returns it): a served call writes the graph's values into the caller's and returns that very
+object wherever eager's output held it (``writeback``). Not a HuggingFace ``ModelOutput``,
+which refuses to be refilled. A memo an object fills when read (a ``functools.cached_property``,
 a new private attribute) is not a write: served calls skip filling it, and the next read fills it.
 """
 
