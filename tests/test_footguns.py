@@ -576,3 +576,36 @@ def test_a_dict_the_target_writes_is_written_back_wherever_the_output_holds_it()
         assert counted.calls == calls, target.__name__  # served
         assert holds(out, mine), target.__name__
         torch.testing.assert_close(mine, theirs)
+
+
+def test_a_written_back_dict_keeps_the_callers_own_tensors_where_the_target_left_them():
+    """A served write-back refilled every entry with the graph's values: the caller's untouched
+    ``input_ids`` came back as a copy (eager leaves the very tensor; a trial saw memory double)."""
+    counted = Counted(_features)
+    f = cr.compile(counted)
+    with torch.inference_mode():
+        f({"input_ids": torch.ones(2, 3, dtype=torch.long)})
+        calls = counted.calls
+        ids = torch.arange(6).reshape(2, 3)
+        mine = {"input_ids": ids}
+        f(mine)
+    assert counted.calls == calls  # served
+    assert mine["input_ids"] is ids and list(mine) == ["input_ids", "token_embeddings", "sentence_embedding"]
+
+
+def test_a_written_back_dict_takes_what_the_target_moved_between_its_entries():
+    def swap(batch):
+        batch["x"], batch["y"] = batch["y"], batch["x"] * 2
+        return batch
+
+    counted = Counted(swap)
+    f = cr.compile(counted)
+    with torch.inference_mode():
+        f({"x": torch.randn(3), "y": torch.randn(3)})
+        calls = counted.calls
+        x, y = torch.randn(3), torch.randn(3)
+        mine = {"x": x, "y": y}
+        f(mine)
+    assert counted.calls == calls  # served
+    torch.testing.assert_close(mine["x"], y)
+    torch.testing.assert_close(mine["y"], x * 2)

@@ -89,7 +89,7 @@ def assemble(made: Made, place: serving.Place, optimize: bool, owner: torch.nn.M
         key=call.key, described=call.described, names=call.names, positions=call.positions,
         dynamic=tuple(dict(d) for d in made.plan.dynamic), guard=made.guard, example=examples(feeds),
         baked=made.baked, folder=made.folder, outputs=made.outputs, parts=parts, stats=stats, run=run, flat=flat,
-        finish=_finish(call.canonical, made.eager_out), precision_note=made.precision_note,
+        finish=_finish(call.canonical, made.eager_out, _leaves_at(call)), precision_note=made.precision_note,
     )
     started = time.perf_counter()
     try:
@@ -179,10 +179,17 @@ def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: 
     return Record(precision, agreement, tuple(measured))
 
 
-def _finish(call: tuple, eager_out: Any) -> Callable[[Any, tuple, dict], Any] | None:
+def _leaves_at(call: Any) -> dict[tuple, Any]:
+    """A call's leaves by their path in its canonical tree, as they were when it was made."""
+    return {accessor.path: leaf for accessor, leaf in zip(call.structure.accessors(), call.leaves)}
+
+
+def _finish(call: tuple, eager_out: Any, before: dict[tuple, Any]) -> Callable[[Any, tuple, dict], Any] | None:
     """What a served call writes back into what it was given: a KV cache (``kvcache.writeback``),
-    the dicts and lists the target returned (``containers.writeback``)."""
-    steps = [step for step in (kvcache.writeback(call, eager_out), containers.writeback(call, eager_out)) if step]
+    the dicts and lists the target returned (``containers.writeback``; ``before``: the call's
+    leaves by path, as they were before the eager run)."""
+    steps = [step for step in (kvcache.writeback(call, eager_out), containers.writeback(call, eager_out, before))
+             if step]
     if len(steps) < 2:
         return steps[0] if steps else None
     cache, given = steps

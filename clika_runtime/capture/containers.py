@@ -49,30 +49,45 @@ class Held:
                 if id(c) not in returned and not _unchanged(c, before, _snapshot(c))]
 
 
-def writeback(call: tuple, eager_out: Any) -> Callable[[Any, tuple, dict], Any] | None:
+def writeback(call: tuple, eager_out: Any, before: dict[tuple, Any] | None = None
+              ) -> Callable[[Any, tuple, dict], Any] | None:
     """How a served call updates the mappings and lists eager returned that the call was given:
     ``finish(out, args, kwargs)`` writes the graph's (in ``out``) into the caller's, in place,
-    and returns ``out`` holding those very objects wherever eager's held them. ``None`` when
+    and returns ``out`` holding those very objects wherever eager's held them. A mapping's
+    entries the target left as they were (``before``: the call's leaves by path, before the
+    eager run) keep the caller's tensor, as eager's do, not the graph's copy. ``None`` when
     eager returned none."""
     replayed = _replayed(call, eager_out)
     if not replayed:
         return None
     # The deepest first: an outer container then takes the inner one, already written, as it holds it.
-    pairs = sorted(replayed.values(), key=lambda pair: -max(map(len, pair[1])))
+    pairs = sorted(((source, paths, _left(paths[0](eager_out), source.path, before or {}))
+                    for source, paths in replayed.values()), key=lambda pair: -max(map(len, pair[1])))
 
     def finish(out: Any, args: tuple, kwargs: dict) -> Any:
-        for source, paths in pairs:
+        for source, paths, left in pairs:
             mine, served = source((args, kwargs)), paths[0](out)
             if isinstance(mine, list):
                 mine[:] = served
             else:
+                kept = {key: mine[key] for key in left if key in mine}
                 mine.clear()
                 mine.update(served)
+                mine.update(kept)  # (in place: the order stays the served one)
             for path in paths:
                 out = trees.put(out, tuple(path), mine)
         return out
 
     return finish
+
+
+def _left(container: Any, at: tuple, before: dict[tuple, Any]) -> tuple:
+    """The keys of a mapping the target returned (``at``: its path in the call) that still hold
+    the tensor they held before the call."""
+    if not isinstance(container, Mapping):
+        return ()
+    return tuple(key for key, value in container.items()
+                 if isinstance(value, torch.Tensor) and before.get((*at, key)) is value)
 
 
 def _replayable(container: Any) -> bool:
