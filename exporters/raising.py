@@ -58,19 +58,15 @@ def nonempty(x: Any, dim: Any, out: Any) -> Any:
 def one_hot(self: Any, num_classes: int = -1) -> Any:
     """``one_hot``: each class a row, failing on a negative class or one past ``num_classes``
     (ONNX's OneHot counts negatives from the end and leaves a class past the depth all zeros)."""
-    empty_ok = op.Constant(value_int=0)
     labels = op.Cast(self, to=ir.DataType.INT64)
-    lowest = op.ReduceMin(op.Concat(op.Reshape(labels, op.Constant(value_ints=[-1])), op.Constant(value_ints=[0]),
-                                    axis=0), keepdims=0)
-    highest = op.ReduceMax(op.Concat(op.Reshape(labels, op.Constant(value_ints=[-1])), op.Constant(value_ints=[0]),
-                                     axis=0), keepdims=0)
+    zero = op.Constant(value_int=0)
     if num_classes < 0:  # as many classes as the highest label says; none in an empty tensor: torch raises
-        depth = op.Add(highest, op.Constant(value_int=1))
-        ok = op.And(op.GreaterOrEqual(lowest, empty_ok), op.Greater(op.Size(labels), empty_ok))
+        depth = op.Add(op.ReduceMax(_with_zero(labels), keepdims=0), op.Constant(value_int=1))
+        ok = op.And(_nonnegative(labels), op.Greater(op.Size(labels), zero))
     else:
         depth = op.Constant(value_int=num_classes)
-        ok = op.And(op.GreaterOrEqual(lowest, empty_ok), op.Less(highest, depth))
-    classes = op.Range(op.Constant(value_int=0), depth, op.Constant(value_int=1))
+        ok = op.And(_nonnegative(labels), op.Less(op.ReduceMax(_with_zero(labels), keepdims=0), depth))
+    classes = op.Range(zero, depth, op.Constant(value_int=1))
     rows = op.Cast(op.Equal(op.Unsqueeze(labels, op.Constant(value_ints=[-1])), classes), to=ir.DataType.INT64)
     return unless(ok, rows, ir.DataType.INT64)
 
@@ -87,6 +83,10 @@ def repeat_interleave(self: Any, repeats: Any | None = None, dim: int | None = N
 
 
 def _nonnegative(x: Any) -> Any:
-    flat = op.Concat(op.Reshape(op.Cast(x, to=ir.DataType.INT64), op.Constant(value_ints=[-1])),
-                     op.Constant(value_ints=[0]), axis=0)  # a 0 beside: the least of nothing is fine
-    return op.GreaterOrEqual(op.ReduceMin(flat, keepdims=0), op.Constant(value_int=0))
+    return op.GreaterOrEqual(op.ReduceMin(_with_zero(x), keepdims=0), op.Constant(value_int=0))
+
+
+def _with_zero(x: Any) -> Any:
+    """``x``'s values flat, as int64, and a 0 beside: the least and the most of nothing are 0."""
+    return op.Concat(op.Reshape(op.Cast(x, to=ir.DataType.INT64), op.Constant(value_ints=[-1])),
+                     op.Constant(value_ints=[0]), axis=0)

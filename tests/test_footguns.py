@@ -609,3 +609,14 @@ def test_a_written_back_dict_takes_what_the_target_moved_between_its_entries():
     assert counted.calls == calls  # served
     torch.testing.assert_close(mine["x"], y)
     torch.testing.assert_close(mine["y"], x * 2)
+
+
+def test_a_set_read_and_not_written_is_not_a_write():
+    """A set's snapshot held fresh tuples, so an unchanged set always compared as written."""
+    from clika_runtime.capture.containers import Held
+
+    tags, seen = {"a", "b"}, {"x": {1, 2}}
+    given = Held((tags, seen), {}, lambda i: f"args_{i}")
+    assert given.written(torch.ones(1)) == []
+    tags.add("c")
+    assert given.written(torch.ones(1)) == ["args_0"]

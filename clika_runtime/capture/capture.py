@@ -128,9 +128,10 @@ def _build(
 def second_size(capture: Capture, plan: CapturePlan, trace: Callable[..., list[Any]], names: Sequence[str]) -> None:
     """Raise ``SecondSizeError`` where the graph disagrees with eager at other sizes, where the
     guard accepts them and the target answers: each dynamic axis of at least 3 one shorter (or
-    longer where one is 2), then each about twice as long (``_elsewhere``). torch.export bakes a size computed in Python
-    floats (``int(n * 0.7)``, interpolate's ``area`` length, an output of length 1) as its value
-    at the traced size, leaving the axis dynamic: the one verified size could not show it."""
+    longer where one is 2), then each as much longer as the longest is long, up to 64 more
+    (``_elsewhere``). torch.export bakes a size computed in Python floats (``int(n * 0.7)``,
+    interpolate's ``area`` length, an output of length 1) as its value at the traced size,
+    leaving the axis dynamic: the one verified size could not show it."""
     feeds = list(plan.call.feeds)
     for other in _elsewhere(feeds, plan.dynamic):
         if all(s is f for s, f in zip(other, feeds)) or capture.guard.mismatches(examples(other)):

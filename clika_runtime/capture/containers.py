@@ -139,9 +139,7 @@ def _children(value: Any) -> list[tuple[Any, Any]] | None:
     """``value``'s items as (key, item), or ``None`` where it is not a container."""
     if isinstance(value, Mapping):
         return list(value.items())
-    if isinstance(value, (list, tuple, MutableSequence)):
-        return list(enumerate(value))
-    if isinstance(value, MutableSet):
+    if isinstance(value, (list, tuple, MutableSequence, MutableSet)):
         return list(enumerate(value))
     if _plain_object(value):
         return list(vars(value).items())
@@ -164,17 +162,14 @@ def _snapshot(container: Any) -> dict | list:
     """What ``container`` holds: its items by key (a mapping's, an object's attributes) or in order."""
     if isinstance(container, Mapping):
         return dict(container.items())
-    if isinstance(container, MutableSet):
-        return [(id(v), v) for v in container]
-    if isinstance(container, (list, MutableSequence)):
+    if isinstance(container, (MutableSequence, MutableSet)):  # a set's order holds while it does
         return list(container)
     return dict(vars(container)) if hasattr(container, "__dict__") else {}
 
 
 def _unchanged(container: Any, before: dict | list, now: dict | list) -> bool:
-    if isinstance(before, list):
+    if isinstance(before, list) or isinstance(now, list):
         return len(now) == len(before) and all(a is b for a, b in zip(now, before))
-    assert isinstance(now, dict)
     if any(key not in now or now[key] is not value for key, value in before.items()):
         return False  # an entry replaced or taken away (in a mapping, order is not a write)
     added = [key for key in now if key not in before]

@@ -184,11 +184,11 @@ class Lifecycle(Fallbacks):
             before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
             weights_written = weights.written_later(self.target.owner)
         ahead = restore.ahead(self.target, plan)  # the disk cache looked up beside the eager call
-        held = self.target.held(args, kwargs)  # (outside the noting: our code reads no state of theirs)
+        given = self.target.held(args, kwargs)  # (outside the noting: our code reads no state of theirs)
         with reads.noted() as codes:  # the code the eager run runs: the names it can read
             out, mutated = self.target.eager_checked(plan.call.feeds, plan.call.names, args, kwargs)
         progress.ran, progress.out = True, out
-        mutated += held.written(out)
+        mutated += given.written(out)
         if mutated:
             return self._refuse(plan.call, mutation(mutated), generation, lambda: out, plan.point)
         with TARGETS.shared():
