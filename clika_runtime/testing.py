@@ -33,8 +33,8 @@ def assert_graph_matches_eager(
     """Compile ``fn``, run every example through it, and assert the graph serves them all like eager.
 
     Each example is a tuple of positional arguments, a single argument, or ``(args, kwargs)``. The
-    examples are called once to capture (shapes may drift between them), then once more: the second
-    pass must be served by the graph, without re-capture, and match eager within ``rtol``/``atol``
+    examples are called once to capture (shapes may drift between them), then once more: each call
+    of the second pass must be served by a graph, without re-capture, and match eager within ``rtol``/``atol``
     (default: ``torch.testing.assert_close``'s for the dtype). Failures name the example, the
     output path and the worst difference. Returns the compiled function for further checks.
     """
@@ -47,7 +47,11 @@ def assert_graph_matches_eager(
             raise AssertionError(f"{f.__name__} did not compile: {f.fallback_reason or '; '.join(f.recapture_reasons)}")
         count = f.recapture_count
         for index, (args, kwargs) in enumerate(calls):
+            hits = _hits(f)
             served = f(*args, **kwargs)
+            if _hits(f) <= hits:  # answered eagerly: a refused key, or a call the graphs decline
+                why = "; ".join(f.eager_keys.values()) or f.fallback_reason or "its call ran eagerly"
+                raise AssertionError(f"{f.__name__}: example {index} was not served by a graph: {why}")
             expected = fn(*args, **kwargs)
             _compare(index, served, expected, rtol, atol)
         if f.recapture_count != count or f.state is not State.Compiled:
@@ -55,6 +59,10 @@ def assert_graph_matches_eager(
                 f"{f.__name__}: the examples were not all served by one set of graphs: {f.recapture_reasons[count:]}"
             )
     return f
+
+
+def _hits(f: CompiledFunction) -> int:
+    return sum(capture.hits or 0 for capture in f.captures)
 
 
 def _compare(index: int, served: Any, expected: Any, rtol: float | None, atol: float | None) -> None:

@@ -306,6 +306,19 @@ def test_testing_helper_says_why_a_function_did_not_compile():
         assert_graph_matches_eager(lambda x: x + torch.rand_like(x), [torch.zeros(5)])
 
 
+@pytest.mark.parametrize("refused_first", [True, False])
+def test_trap_the_testing_helper_fails_an_example_no_graph_served(refused_first):
+    def scale(x, in_place):  # the in-place key writes its input: it serves eagerly, never by a graph
+        if in_place:
+            x.mul_(1.0)
+        return x * 2
+
+    examples = [(torch.randn(4), True), (torch.randn(4), False)]
+    with pytest.raises(AssertionError, match=r"example \d was not served by a graph: input mutation: .* in place"), \
+            pytest.warns(UserWarning):
+        assert_graph_matches_eager(scale, examples if refused_first else examples[::-1])
+
+
 def test_loaded_graph_takes_lifted_numbers_and_bfloat16_outputs(tmp_path):
     f = cr.compile(lambda x, k: ((x[:k] * 2).bfloat16(), k), specialize=False)
     x = torch.arange(5.0)
