@@ -252,10 +252,35 @@ def test_one_digest_whether_weights_are_inline_or_external_and_after_onnx_rewrit
         cr.load(rewritten)
 
 
+def test_trap_a_flipped_bit_in_the_digest_entrys_key_does_not_turn_the_check_off(saved, tmp_path):
+    inline, _ = saved
+    data = inline.read_bytes()
+    key = data.find(META_DIGEST.encode())
+    weight = data.find(numpy_helper.to_array(onnx.load_model(str(inline)).graph.initializer[0]).tobytes())
+    for i, position in enumerate((key, key + 5, key + len(META_DIGEST) - 1)):
+        damaged = _copied(inline, tmp_path / f"key{i}")
+        content = bytearray(damaged.read_bytes())
+        content[position] ^= 0x10  # the entry is now another key: the file reads as one without a digest
+        content[weight + 3] ^= 0x40  # and a weight changed
+        damaged.write_bytes(bytes(content))
+        with pytest.raises(GraphFileError, match=r"records no content digest, yet clika_runtime 0\.\d+\.\d+ wrote it"):
+            cr.load(damaged)
+        with pytest.raises(GraphFileError, match="records no content digest"):
+            cr.ModelGraph.load(damaged)
+        assert cli(["validate", str(damaged)]) == 1
+
+
+def _as_written_by(model: onnx.ModelProto, version: str) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    next(p for p in copy.metadata_props if p.key == "clika_runtime.version").value = version
+    return copy
+
+
 def test_graphs_saved_before_digests_load_as_before_with_a_note(pair, tmp_path, caplog):
     (a, _), x, (want_a, _) = pair
     old = tmp_path / "old.onnx"
-    onnx.save_model(a.model_proto, str(old))  # what save wrote before digests
+    onnx.save_model(_as_written_by(a.model_proto, "0.2.0"), str(old))  # what 0.2's save wrote: no digest
     assert META_DIGEST not in {p.key for p in onnx.load_model(str(old)).metadata_props}
     with caplog.at_level(logging.INFO, logger="clika_runtime"):
         np.testing.assert_allclose(cr.load(old)(x), want_a, rtol=1e-4, atol=1e-5)
