@@ -579,6 +579,19 @@ def test_trap_an_int8_capture_from_a_call_with_a_loud_row_is_judged_by_rows():
     assert f.captures[0].precision.startswith("int8 not served, fp32 serves instead") and "rows' errors" in said[0]
 
 
+def test_trap_validate_judges_an_int8_graph_by_rows_as_the_capture_does(mlp_int8, tmp_path):
+    # A reference batch with one loud row: the whole tensor's cosine was 0.9999 and validate passed
+    # while the other rows were ruined (found by a trial); compile judges rows, so validate does too.
+    model, _, f, x, _ = mlp_int8
+    path = f.graphs()[0].save(tmp_path / "mlp_int8.onnx")
+    loud = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    loud[0] *= 1000
+    name = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).get_inputs()[0].name
+    np.savez(tmp_path / "loud.npz", **{name: loud.numpy()}, output=model(loud).detach().numpy())
+    bad = run_cli("validate", str(path), "--reference", str(tmp_path / "loud.npz"))
+    assert bad.returncode == 1 and "rows' errors" in bad.stdout, bad.stdout
+
+
 def test_a_kv_cache_output_is_not_judged_by_its_top_1():
     """A key/value cache's last axis is a head's channels, not classes: its argmax means nothing,
     yet int8 captures of decoders reported a top-1 for ``present.*`` outputs and refused the

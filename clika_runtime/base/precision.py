@@ -240,6 +240,19 @@ def row_error_allowed(cosine: float) -> float:
     return math.sqrt(2.0 * (1.0 - cosine))
 
 
+def rows_problem(agreement: Agreement, name: str, reference: Any, got: Any) -> str | None:
+    """Why a float output's rows fall short of ``agreement`` (``row_error`` against what its cosine
+    allows), in words; ``None`` when they do not, or the output is not floating point."""
+    reference, got = np.asarray(reference), np.asarray(got)
+    if not np.issubdtype(reference.dtype, np.floating):
+        return None
+    allowed, error = row_error_allowed(agreement.cosine), row_error(reference, got)
+    if error > allowed:
+        return (f"output '{name}': rows' errors up to {error:.4g} of their norms (nine in ten) > {allowed:.4g}, "
+                f"what cosine {agreement.cosine} allows")
+    return None
+
+
 def judged(agreement: Agreement, names: Sequence[str], reference: Sequence[Any], got: Sequence[Any]) -> tuple[list[Measured], str | None]:
     """Each output measured, and the first shortfall in words (``None``: the graph agrees)."""
     measured = [measure(n, r, g) for n, r, g in zip(names, reference, got)]

@@ -18,7 +18,7 @@ import torch
 import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
-from clika_runtime.base.precision import FINITE_ONLY, FP32, Agreement, Record, row_error, row_error_allowed
+from clika_runtime.base.precision import FINITE_ONLY, FP32, Agreement, Record, rows_problem
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.capture import closures, containers
 from clika_runtime.capture.closures import Stats
@@ -117,14 +117,8 @@ def _shortfall(names: Sequence[str], eager_leaves: list[Any], leaves: list[Any],
 
 
 def _rows_short(names: Sequence[str], eager_leaves: list[Any], leaves: list[Any], agreement: Agreement) -> str | None:
-    allowed = row_error_allowed(agreement.cosine)
-    for name, e, g in zip(names, eager_leaves, leaves):
-        if isinstance(e, torch.Tensor) and e.is_floating_point():
-            error = row_error(_float64(e), _float64(g))
-            if error > allowed:
-                return (f"output '{name}': rows' errors up to {error:.4g} of their norms (nine in ten) > {allowed:.4g}, "
-                        f"what cosine {agreement.cosine} allows")
-    return None
+    floats = [(n, e, g) for n, e, g in zip(names, eager_leaves, leaves) if isinstance(e, torch.Tensor) and e.is_floating_point()]
+    return next((p for n, e, g in floats if (p := rows_problem(agreement, n, _float64(e), _float64(g)))), None)
 
 
 def _float64(t: torch.Tensor) -> Any:

@@ -17,7 +17,7 @@ import numpy as np
 
 import serving
 from clika_runtime.base.errors import GraphFileError, GraphInputError, PlaceError, first_line
-from clika_runtime.base.precision import Record, measure
+from clika_runtime.base.precision import Record, measure, rows_problem
 from clika_runtime.format import digest, graphfile
 from clika_runtime.format.graphfile import existing
 from clika_runtime.guards.guard import Guard
@@ -380,7 +380,8 @@ def _kind_of_file(path: Path, error: BaseException) -> str:
 def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: str, rtol: float,
                        atol: float, record: Record | None) -> tuple[bool, str]:
     """The graph's outputs on the reference inputs against the reference outputs: within rtol/atol,
-    or for a reduced-precision graph (``record``) by the agreement it was accepted with."""
+    or for a reduced-precision graph (``record``) by the agreement it was accepted with, judged as a
+    capture is: each whole output, then its rows (one loud row must not hide the others' errors)."""
     inputs = [i.name for i in session.get_inputs()]
     missing = [n for n in inputs if n not in data]
     if not missing:  # arrays that do not fit the graph make the reference unusable, not the graph wrong
@@ -401,7 +402,8 @@ def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: 
         if expected.shape != np.shape(out):
             return False, f"output '{meta.name}': shape {list(np.shape(out))}, reference {list(expected.shape)}"
         if record is not None:
-            short = record.agreement.problem(measure(meta.name, expected, out))
+            short = (record.agreement.problem(measure(meta.name, expected, out))
+                     or rows_problem(record.agreement, meta.name, expected, out))
             if short:
                 return False, f"{short} (by the {record.precision} graph's recorded agreement, not rtol/atol)"
         elif not np.allclose(out, expected, rtol=rtol, atol=atol, equal_nan=True):
