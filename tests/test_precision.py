@@ -7,6 +7,7 @@ attention fused by the rewriter before quantizing), each captured once per modul
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -188,6 +189,26 @@ def test_bad_precisions_are_refused_in_one_line():
         cr.compile(model, precision="int8", agreement=0.99)
     with pytest.raises(ValueError, match="Agreement.cosine"):
         cr.Agreement(cosine=2.0)
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("agreement", 0.99, "clika_runtime.Agreement"),
+    ("cache_size", "8", "an int >= 1"),
+    ("cache_size", 0, "an int >= 1"),
+    ("recapture_limit", -1, "an int >= 0"),
+    ("intra_op_threads", 2.5, "None or an int >= 1"),
+    ("cache_max_bytes", None, "an int >= 0"),
+    ("progress", "yes", "True, False or 'auto'"),
+    ("cache_dir", 3, "a path, 'auto' or None"),
+    ("tolerances", {"float32": 1e-4}, "a dict of dtype name -> (rtol, atol)"),
+])
+def test_trap_a_config_value_of_the_wrong_kind_is_refused_when_set(name, value, expected):
+    # cr.config.agreement = 0.99 was taken, then every int8 capture failed with
+    # "'float' object has no attribute 'problem'" and the function served eagerly (found by a trial).
+    before = getattr(cr.config, name)
+    with pytest.raises((TypeError, ValueError), match=rf"clika_runtime.config.{name}: expected {re.escape(expected)}, got"):
+        setattr(cr.config, name, value)
+    assert getattr(cr.config, name) == before
 
 
 def test_fp32_is_unchanged():

@@ -6,6 +6,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from clika_runtime.base.precision import Agreement
 
@@ -56,6 +57,15 @@ class Config:
     cache_max_bytes: int = 4 * 2**30
     progress: bool | str = AUTO
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # A value of the wrong kind is refused where it is set: taken, it failed every capture
+        # later with an error that named neither the setting nor the value.
+        check = _CHECKS.get(name)
+        if check is not None and not check[0](value):
+            error = TypeError if not isinstance(value, check[2]) else ValueError
+            raise error(f"clika_runtime.config.{name}: expected {check[1]}, got {value!r}")
+        super().__setattr__(name, value)
+
     def shows_progress(self) -> bool:
         """Whether long captures show their progress line on stderr now."""
         if self.progress != AUTO:
@@ -85,5 +95,28 @@ class Config:
         """``(rtol, atol)`` for a dtype name; exact (0, 0) for integer and bool types."""
         return self.tolerances.get(dtype_name, (0.0, 0.0))
 
+
+def _count(least: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _tolerances(value: object) -> bool:
+    pairs = value.values() if isinstance(value, dict) else ()
+    return isinstance(value, dict) and all(isinstance(k, str) for k in value) and all(
+        isinstance(p, tuple) and len(p) == 2 and all(isinstance(t, (int, float)) and t >= 0 for t in p) for p in pairs)
+
+
+# setting: (whether a value is right, what is expected in words, the types a right value has)
+_CHECKS = {
+    "cache_size": (_count(1), "an int >= 1", int),
+    "recapture_limit": (_count(0), "an int >= 0", int),
+    "intra_op_threads": (lambda v: v is None or _count(1)(v), "None or an int >= 1", (int, type(None))),
+    "tolerances": (_tolerances, "a dict of dtype name -> (rtol, atol)", dict),
+    "agreement": (lambda v: isinstance(v, Agreement), "clika_runtime.Agreement", Agreement),
+    "cache_dir": (lambda v: v is None or isinstance(v, (str, os.PathLike)), "a path, 'auto' or None",
+                  (str, os.PathLike, type(None))),
+    "cache_max_bytes": (_count(0), "an int >= 0", int),
+    "progress": (lambda v: isinstance(v, bool) or v == AUTO, "True, False or 'auto'", (bool, str)),
+}
 
 config = Config()
