@@ -231,6 +231,11 @@ def test_cli_validate_passes_fails_and_rejects_unknown_dims(shipped, capsys, tmp
     assert cli(["validate", str(path), "--reference", str(good)]) == 0
     assert cli(["validate", str(path), "--reference", str(bad)]) == 1
     assert "output 'pooled': max |diff| 1" in capsys.readouterr().out
+    # A reference that lacks an input does not fit the graph, as one of the wrong size does: exit 2.
+    partial = tmp_path / "partial.npz"
+    save_reference(partial, {"tokens": tokens}, {"pooled": expected["pooled"]})
+    assert cli(["validate", str(path), "--reference", str(partial)]) == 2
+    assert "lacks input(s) ['extra_scale']" in capsys.readouterr().err
     assert cli(["validate", str(path), "--dims", "seq=1,2"]) == 2
     assert "unknown dim name(s) ['seq']; this graph's dynamic dims are ['tokens_dim1']" in capsys.readouterr().err
     # The flag repeats (each kept; it used to keep the last only), and a dim given twice is refused.

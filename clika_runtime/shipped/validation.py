@@ -383,13 +383,13 @@ def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: 
     or for a reduced-precision graph (``record``) by the agreement it was accepted with, judged as a
     capture is: each whole output, then its rows (one loud row must not hide the others' errors)."""
     inputs = [i.name for i in session.get_inputs()]
+    # Arrays that do not fit the graph make the reference unusable, not the graph wrong.
     missing = [n for n in inputs if n not in data]
-    if not missing:  # arrays that do not fit the graph make the reference unusable, not the graph wrong
-        problem = _guard(session, str(reference)).check([data[n] for n in inputs])
-        if problem is not None:
-            raise GraphInputError(f"--reference {reference}: {problem}")
     if missing:
-        return False, f"reference lacks input(s) {missing}; it holds {sorted(data)}"
+        raise GraphInputError(f"--reference {reference}: lacks input(s) {missing}; it holds {sorted(data)}")
+    problem = _guard(session, str(reference)).check([data[n] for n in inputs])
+    if problem is not None:
+        raise GraphInputError(f"--reference {reference}: {problem}")
     try:
         outs = session.run(None, {n: data[n] for n in inputs})
     except Exception as e:  # onnxruntime's types
