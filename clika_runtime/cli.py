@@ -159,6 +159,10 @@ def _cache(args: argparse.Namespace) -> int:
 
     if args.dir:
         config.cache_dir = args.dir
+    root = config.cache_path()
+    if root is not None and not root.exists():  # reading a cache makes none
+        print(f"{root}: no capture cache there (nothing was captured with it yet)")
+        return 0
     cache = diskcache.active()
     if cache is None:
         print("the capture cache is off (config.cache_dir is None, or CLIKA_RUNTIME_CACHE_DIR is empty)")

@@ -694,3 +694,12 @@ def test_trap_weights_swapped_while_a_graph_is_restored_are_not_served_stale(mon
     with torch.no_grad():
         torch.testing.assert_close(f(x), model(x))  # the new weights' answer
         torch.testing.assert_close(f(x), model(x))
+
+
+@pytest.mark.parametrize("action", ["info", "list", "clear"])
+def test_trap_the_cache_command_reads_a_folder_without_making_it(action, tmp_path, capsys):
+    # `cache info --dir` made entries/, functions/ and work/ in a folder that did not exist (a trial).
+    absent = tmp_path / "absent"
+    assert cli(["cache", action, "--dir", str(absent)]) == 0
+    assert not absent.exists()
+    assert f"{absent}: no capture cache there" in capsys.readouterr().out
