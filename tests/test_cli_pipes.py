@@ -30,6 +30,7 @@ def _closed_early(args: list[str], tmp_path: Path, read_lines: int) -> tuple[int
 
 @pytest.mark.parametrize("action", ["info", "list"])
 def test_cache_into_a_reader_that_closes_before_anything_is_written(tmp_path, action):
+    (tmp_path / "cache").mkdir()  # an empty cache (of a folder that does not exist, both print a line)
     code, stderr, _ = _closed_early(["cache", action, "--dir", str(tmp_path / "cache")], tmp_path, read_lines=0)
     # `list` of an empty cache writes nothing, so no pipe breaks: it exits 0.
     assert (code, stderr) == ((141, "") if action == "info" else (0, ""))
