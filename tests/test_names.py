@@ -56,6 +56,14 @@ def test_wrong_number_of_output_names_is_a_clear_error():
         f(torch.ones(2))
 
 
+def test_trap_output_names_given_twice_are_refused_not_renamed():
+    # ["a", "a"] became "a" and "a_2" in the graph, silently (found by a trial).
+    with pytest.raises(ValueError, match=r"output_names: 'a' given twice: each graph output needs a name of its own"):
+        cr.compile(lambda x: (x * 2, x + 1), output_names=["a", "a"])
+    with pytest.raises(TypeError, match=r"output_names\[1\]: expected a non-empty str, got 3"):
+        cr.compile(lambda x: (x * 2, x + 1), output_names=["a", 3])
+
+
 def test_trap_an_output_keyed_like_an_input_is_named_apart():
     # {"x": x + 1} named the output "x" like the input: onnxruntime refused the graph ("Duplicate
     # definition of name (x)") and the key served eagerly for good.

@@ -250,6 +250,8 @@ def _target(target: Any, *, signature: tuple[TensorSpec, ...], dynamic: bool | N
     for i, spec in enumerate(signature):
         if not isinstance(spec, TensorSpec):
             raise TypeError(f"signature[{i}]: expected TensorSpec, got {type(spec).__name__}")
+    names = None if output_names is None else tuple(output_names)
+    _check_output_names(names)
     axes = _normalise_axes(dynamic_axes or {})
     if dynamic is False and (axes or any(not isinstance(d, int) for s in signature for d in s.shape)):
         raise ValueError("dynamic=False cannot be combined with dynamic_axes or dynamic signature dims")
@@ -263,12 +265,21 @@ def _target(target: Any, *, signature: tuple[TensorSpec, ...], dynamic: bool | N
         fullgraph=bool(fullgraph),
         optimize=optimize is not False,
         place=resolved,
-        output_names=None if output_names is None else tuple(output_names),
+        output_names=names,
         graph_name=graph_name or _default_name(target),
         name=getattr(target, "__name__", type(target).__name__),
         precision=precision,
         agreement=agreement,
     )
+
+
+def _check_output_names(names: tuple[str, ...] | None) -> None:
+    for i, name in enumerate(names or ()):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"output_names[{i}]: expected a non-empty str, got {name!r}")
+    twice = next((n for i, n in enumerate(names or ()) if n in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"output_names: {twice!r} given twice: each graph output needs a name of its own")
 
 
 def _check_precision(precision: str, agreement: Agreement | None, place: Any) -> None:
