@@ -295,6 +295,13 @@ def test_graphs_saved_before_digests_load_as_before_with_a_note(pair, tmp_path, 
 # ---------------------------------------------------------------------------------- atomic writes
 
 
+def test_trap_saving_onto_a_folder_says_so_in_one_line(pair, tmp_path):
+    (a, _), _, _ = pair
+    with pytest.raises(IsADirectoryError, match=rf"save: {tmp_path} is a folder: give a file path, e.g. .*model\.onnx$"):
+        a.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_names_external_data_by_content_and_leaves_nothing_else(pair, tmp_path):
     (a, b), x, (want_a, want_b) = pair
     path = tmp_path / "model.onnx"

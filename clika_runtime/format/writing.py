@@ -29,6 +29,8 @@ def save(model_proto: Any, path: Path, *, external_data: bool) -> Path:
     """Write ``model_proto`` to ``path`` with its content digest first in its metadata; with
     ``external_data``, its floating-point tensors go to a data file beside it (named by content).
     ``model_proto`` is not changed."""
+    if path.is_dir():  # the rename into place would fail, naming our temporary file
+        raise IsADirectoryError(f"save: {path} is a folder: give a file path, e.g. {path / 'model.onnx'}")
     path.parent.mkdir(parents=True, exist_ok=True)
     staged = path.with_name(f".{path.name}.{secrets.token_hex(6)}")
     try:
