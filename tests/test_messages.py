@@ -3,6 +3,7 @@ unusable input into one line and exit 2, a failing graph into exit 1."""
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 import warnings
 
@@ -402,3 +403,31 @@ def test_the_max_norm_fix_the_hint_gives_is_served_and_matches_max_norm():
         ids = torch.tensor([[1, 2, 3], [4, 5, 9]])
         torch.testing.assert_close(f(ids), model(ids))
     assert f.state is cr.CompiledFunction.State.Compiled
+
+
+@dataclasses.dataclass
+class _Scale:
+    scale: float = 2.0
+    names: tuple = ("a",)
+
+
+def test_trap_static_values_are_written_as_the_values_they_are_not_as_key_tuples():
+    # A trial read "s=(<class 'float'>, 1.0, 1.0)" for np.float32(1.0), "s=('nan',)" for NaN and
+    # "Cfg(('scale', (<class 'float'>, 2.0, 1.0)),)" for a dataclass in keys and reasons.
+    f = cr.compile(lambda x, s: x * (s.scale if isinstance(s, _Scale) else s))
+    x = torch.ones(2)
+    config = _Scale()
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in (float("nan"), np.float32(1.5), np.int64(2), config, {"k": 1.0}):
+            try:
+                f(x, s)
+            except TypeError:  # the dict: multiplied, it raises as in eager
+                pass
+        config.scale = 3.0
+        f(x, config)
+    words = [c.key for c in f.captures] + f.recapture_reasons
+    text = "\n".join(words)
+    assert "class '" not in text and "('nan',)" not in text and "snapshot" not in text, text
+    assert "s=nan" in text and "np.float32(1.5)" in text and "np.int64(2)" in text, text
+    assert "_Scale(scale=2.0, names=('a',)) -> _Scale(scale=3.0, names=('a',))" in text, text

@@ -226,9 +226,7 @@ class Described(NamedTuple):
 
 
 def _static_text(static: Any) -> str:
-    if static[0] == "snapshot":
-        return f"{static[1].__name__}(...)"
-    return repr(static[1]) if len(static) == 2 else repr(static[1]) if static[1] != ("nan",) else "nan"
+    return _shortened(_words(static))
 
 
 def distance(a: CallKey, b: CallKey) -> int:
@@ -320,15 +318,31 @@ def _listed(paths: Sequence[str]) -> str:
 def _value(static: Any) -> str:
     if isinstance(static, Lifted):
         return f"<{static.type.__name__} graph input>"
-    if static[0] == "snapshot":
-        return f"{static[1].__name__}{_short(static[2])}"
-    value = static[1]
-    return "nan" if value is _NAN else repr(value)
+    return _shortened(_words(static))
 
 
-def _short(value: Any) -> str:
-    text = repr(value[1] if isinstance(value, tuple) and len(value) == 2 else value)
+def _shortened(text: str) -> str:
     return text if len(text) < 80 else text[:77] + "..."
+
+
+def _words(static: Any) -> str:
+    """A static entry (``static_value``'s or ``_by_value``'s form) written as the value it stands for."""
+    if static[0] == "snapshot":
+        return _words(static[2])
+    kind, rest = static[0], static[1:]
+    if kind is float:
+        return "nan" if rest[0] == _NAN else repr(rest[0])
+    if isinstance(kind, type) and issubclass(kind, _NUMPY_SCALARS):
+        return f"np.{kind.__name__}({_words(rest[0])})"
+    if not isinstance(kind, type) or kind in _PLAIN or issubclass(kind, (enum.Enum, *_BY_IDENTITY)):
+        return repr(rest[0])
+    items = rest[0]
+    if issubclass(kind, (list, tuple, set, frozenset)):
+        inner = ", ".join(_words(v) for v in items)
+        return {list: f"[{inner}]", tuple: f"({inner}{',' if len(items) == 1 else ''})"}.get(kind, f"{kind.__name__}({inner})")
+    if issubclass(kind, dict):
+        return "{" + ", ".join(f"{_words(k)}: {_words(v)}" for k, v in items) + "}"
+    return f"{kind.__name__}(" + ", ".join(f"{k}={_words(v)}" for k, v in items) + ")"  # a dataclass or object
 
 
 def _dtype(meta: tuple) -> str:
