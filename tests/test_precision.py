@@ -571,6 +571,32 @@ def test_trap_int8_checks_a_call_wider_than_it_was_checked_on():
     assert f.captures[0].precision.startswith("int8")  # calls as wide as checked still serve in int8
 
 
+def test_trap_int8_checks_a_call_whose_rows_differ_in_loudness_more_than_checked():
+    # Found by a trial: quiet rows beside one ordinary row (the call no louder than the capture's)
+    # were served unchecked at row cosine 0.88 (worst 0.5), 30 of 63 classes flipped: one scale
+    # per tensor is set by the loud row. A call whose rows' loudness spreads more than twice as
+    # far as any checked is judged like a wider one.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 256, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 10, bias=False)).eval()
+    counted = Counted(model)
+    f = cr.compile(counted, precision="int8")
+    called(f, torch.randn(64, 64, generator=torch.Generator().manual_seed(1)))
+    quiet = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    quiet[1:] *= 0.01
+    before = counted.calls
+    served, said = called(f, quiet)
+    with torch.inference_mode():
+        eager = model(quiet)
+    assert counted.calls == before + 1 and torch.equal(served, eager)
+    assert len(said) == 1 and "int8 agrees less with eager fp32 on a call wider" in said[0], said
+    even = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)) * 0.01  # quiet, but evenly: served
+    before = counted.calls
+    served, said = called(f, even)
+    assert counted.calls == before and not said
+
+
 def test_trap_int8_judges_rows_by_their_error_not_by_a_one_value_cosine():
     # Found by a trial of the envelope: a (N, 1) output's row cosine is its sign, so a prediction
     # near 0 whose sign int8 flipped read -1 and closed the envelope; rows' errors are now judged

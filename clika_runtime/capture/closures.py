@@ -134,12 +134,12 @@ def _run(parts: Parts, stats: Stats) -> Callable[[Sequence[Any]], Any]:
 def _reduced(run: Callable[[Sequence[Any]], Any], envelope: Envelope) -> Callable[[Sequence[Any]], Any]:
     """``run`` for an int8 graph, raising ``Eagerly`` for feeds holding NaN or an infinity
     (``base.precision.non_finite``) and for feeds wider than those it was checked on
-    (``envelope``: with the graph's answer to judge while the envelope is open). One reduction per
-    float feed for both (its largest magnitude)."""
+    (``envelope``: with the graph's answer to judge while the envelope is open). A few reductions
+    per float feed for both (each row's largest magnitude, their largest and quietest)."""
 
     def checked(feeds: Sequence[Any]) -> Any:
         spans = extent(feeds)
-        at = next((i for i, (_, largest) in enumerate(spans) if not math.isfinite(largest)), None)
+        at = next((i for i, (_, largest, _) in enumerate(spans) if not math.isfinite(largest)), None)
         if at is not None:
             raise Eagerly(f"input {at} {NON_FINITE}")
         if not envelope.holds(spans):

@@ -4,8 +4,9 @@ An int8 graph quantizes each activation per call with one scale for the whole te
 closely it agrees with eager depends on the call: a longer sequence or a bigger batch widens the
 range one scale covers (an outlier feature meets more tokens), and one loud row coarsens every
 other row's products. Its agreement was measured on the capturing call only. A later call wider
-than those it was checked on (an axis more than ``GROWTH`` times as long, or a float input more
-than ``GROWTH`` times as large in magnitude) is answered eagerly and the graph's answer judged
+than those it was checked on (an axis more than ``GROWTH`` times as long, a float input more
+than ``GROWTH`` times as large in magnitude, or its rows' loudness spread ``GROWTH`` times as far:
+quiet rows beside a loud one get few of the scale's steps) is answered eagerly and the graph's answer judged
 against eager's by the agreement the capture asked for, its rows' errors included
 (``capture.assembly._shortfall``): agreeing, the envelope widens to that call; not, wider calls
 run eagerly from then on, said once.
@@ -15,12 +16,17 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
+
 from clika_runtime.base.precision import Agreement, magnitude
 from clika_runtime.trees import pytrees as trees
 
 GROWTH = 2.0  # how much wider than checked a call may be (a size, a magnitude) before it is checked
 
-Extent = tuple[tuple[tuple[int, ...], float], ...]  # per feed: its shape, its largest magnitude
+# Per feed: its shape, its largest magnitude, and its spread: its loudest row's largest magnitude
+# over its quietest (rows along the last axis; all-zero rows left out: they quantize exactly).
+Span = tuple[tuple[int, ...], float, float]
+Extent = tuple[Span, ...]
 
 
 class Eagerly(Exception):
@@ -64,15 +70,25 @@ class Envelope:
 
 
 def extent(feeds: Sequence[Any]) -> Extent:
-    """Each feed's shape and largest magnitude (a Python number, a lifted size: neither)."""
-    return tuple((tuple(getattr(f, "shape", ())), magnitude(f)) for f in feeds)
+    """Each feed's shape, largest magnitude and spread (a Python number, a lifted size: (), 0, 1)."""
+    return tuple(_span(f) for f in feeds)
 
 
-def _within(call: tuple[tuple[int, ...], float], bound: tuple[tuple[int, ...], float]) -> bool:
-    (shape, largest), (checked, bound_largest) = call, bound
+def _span(feed: Any) -> Span:
+    shape = tuple(getattr(feed, "shape", ()))
+    if len(shape) < 2 or not feed.is_floating_point() or not feed.numel():
+        return shape, magnitude(feed), 1.0
+    rows = feed.abs().amax(-1)  # each row's largest magnitude (NaN where a row holds one)
+    largest = float(rows.amax())
+    quietest = float(torch.where(rows > 0, rows, largest).amin())  # all-zero rows quantize exactly
+    return shape, largest, largest / quietest if quietest > 0 else 1.0
+
+
+def _within(call: Span, bound: Span) -> bool:
+    (shape, largest, spread), (checked, bound_largest, bound_spread) = call, bound
     return (len(shape) == len(checked) and all(n <= GROWTH * max(c, 1) for n, c in zip(shape, checked))
-            and largest <= GROWTH * bound_largest)
+            and largest <= GROWTH * bound_largest and spread <= GROWTH * bound_spread)
 
 
-def _widest(a: tuple[tuple[int, ...], float], b: tuple[tuple[int, ...], float]) -> tuple[tuple[int, ...], float]:
-    return tuple(map(max, a[0], b[0])), max(a[1], b[1])
+def _widest(a: Span, b: Span) -> Span:
+    return tuple(map(max, a[0], b[0])), max(a[1], b[1]), max(a[2], b[2])
