@@ -571,6 +571,23 @@ def test_trap_int8_checks_a_call_wider_than_it_was_checked_on():
     assert f.captures[0].precision.startswith("int8")  # calls as wide as checked still serve in int8
 
 
+def test_trap_a_disagreement_found_after_the_capture_is_kept_and_said_when_the_graph_ships():
+    # Found by a trial: f.captures kept the capture's agreement alone, capture_notes stayed empty,
+    # and take_graph() handed the graph out silently; cr.load then served those calls unchecked.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).eval()
+    f = cr.compile(model, precision="int8", dynamic=True)
+    called(f, torch.randn(16, 64))
+    loud = torch.randn(16, 64)
+    loud[0] *= 100
+    _, said = called(f, loud)
+    assert len(said) == 1
+    assert f.capture_notes == [said[0].split(": ", 2)[2]], (f.capture_notes, said)
+    assert "disagreed on a wider call" in f.captures[0].precision, f.captures[0].precision
+    with pytest.warns(UserWarning, match=r"disagreed with eager fp32 on a call wider .*cr.load serves such calls unchecked"):
+        f.take_graph()
+
+
 def test_trap_int8_checks_a_call_whose_rows_differ_in_loudness_more_than_checked():
     # Found by a trial: quiet rows beside one ordinary row (the call no louder than the capture's)
     # were served unchecked at row cosine 0.88 (worst 0.5), 30 of 63 classes flipped: one scale

@@ -22,5 +22,16 @@ def describe(capture: "Capture") -> CaptureInfo:
         seconds_since_use=max(0.0, time.monotonic() - capture.stats.last_use),
         phases=dict(capture.stats.phases),
         guard=guard_text(capture.guard),
-        precision=str(capture.precision) if capture.precision is not None else capture.precision_note or "",
+        precision=precision_words(capture),
     )
+
+
+def precision_words(capture: "Capture") -> str:
+    """What the capture's graph measured at its precision (its note where that precision does not
+    serve), and how it disagreed with eager on a wider call since, if it did."""
+    if capture.precision is None:
+        return capture.precision_note or ""
+    envelope = capture.parts.envelope
+    later = envelope.disagreed if envelope is not None else None
+    return str(capture.precision) + (f"; then disagreed on a wider call ({later}): calls that wide run eagerly"
+                                     if later else "")

@@ -48,6 +48,7 @@ class Envelope:
         self._bounds = extent(feeds)
         self._names, self._agreement, self._judged = list(names), agreement, judged
         self.open = True  # False once the graph disagreed: wider calls then run eagerly without it
+        self.disagreed: str | None = None  # how, once it did (f.captures, take_graph() say so)
 
     def holds(self, spans: Extent) -> bool:
         """Whether a call of this ``extent`` is no wider than ``GROWTH`` times what was checked."""
@@ -62,7 +63,7 @@ class Envelope:
             if short is None:
                 self._bounds = tuple(_widest(a, b) for a, b in zip(self._bounds, spans))
                 return None
-            self.open = False
+            self.open, self.disagreed = False, short
             return (f"int8 agrees less with eager fp32 on a call wider than the one it was checked on ({short}): "
                     "calls that wide run eagerly; capture int8 on a call as wide as those it serves")
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from clika_runtime.base.precision import Record
+from clika_runtime.base.saying import say
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.capture import closures
 from clika_runtime.capture.closures import Stats
@@ -80,6 +81,11 @@ class Capture:
         if self.precision is not None:
             entries[metadata.META_PRECISION] = self.precision.to_json()
         metadata.attach(graph.model_proto, entries)
+        envelope = self.parts.envelope
+        if envelope is not None and envelope.disagreed:  # what the function learned the file cannot carry
+            say(f"clika_runtime: the {self.precision.precision} graph handed out disagreed with eager fp32 on a call "
+                f"wider than it was checked on ({envelope.disagreed}); the function ran such calls eagerly, but "
+                "cr.load serves such calls unchecked: capture it on a call as wide as those it will serve", 3)
         return graph
 
 

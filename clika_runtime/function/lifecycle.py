@@ -32,7 +32,7 @@ from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiatin
 from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, Settle, decide, learned, planned,
 )
-from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, swapped, with_capture, without
+from clika_runtime.function.table import CacheTable, State, empty, noted, retrying_refused, swapped, with_capture, without
 from clika_runtime.state import reads, weights
 from clika_runtime.state.snapshot import Snapshot, hook_containers
 from clika_runtime.trees import kvcache
@@ -120,6 +120,8 @@ class Lifecycle(Fallbacks):
         out = self.target.eager(args, kwargs)
         short = eagerly.judge(out) if eagerly.judge is not None else None
         if short is not None:
+            with self.lock:
+                self.table = noted(self.table, short)
             self._say_once(short)
         raise_held()
         return out

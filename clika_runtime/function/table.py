@@ -171,6 +171,11 @@ def swapped(table: CacheTable, old: "Capture", new: "Capture", note: str) -> Cac
     return _rebuilt(table, entries, flat=flat, notes=table.notes + (note,))
 
 
+def noted(table: CacheTable, note: str) -> CacheTable:
+    """``table`` with ``note`` said (``f.capture_notes``)."""
+    return _rebuilt(table, dict(table.entries), notes=table.notes + (note,))
+
+
 def rewatched(table: CacheTable, snapshot: Snapshot | None = None) -> CacheTable:
     """``table`` with a new weights watch (after a registration that changed nothing baked), and
     ``snapshot`` when given (after a change of state no capture read)."""
