@@ -168,6 +168,19 @@ def test_a_graph_that_int8_breaks_is_not_served_in_int8_and_says_the_figure():
     assert "clika_runtime.precision" not in f.graphs()[0].metadata
 
 
+def test_trap_a_restored_capture_still_says_why_int8_does_not_serve():
+    # After a disk-cache restore, f.captures[0].precision read '' for an int8 capture that serves
+    # fp32 (the note was in capture_notes only: found by a trial).
+    model = Outliers().eval()
+    x = outlier_input()
+    first = cr.compile(model, precision="int8")
+    called(first, x)
+    again = cr.compile(model, precision="int8")
+    called(again, x)
+    assert "export" not in again.captures[0].phases  # restored from the disk cache
+    assert again.captures[0].precision == first.captures[0].precision != ""
+
+
 def test_the_agreement_asked_for_decides(mlp_int8):
     model, *_ = mlp_int8
     strict = cr.compile(model, precision="int8", agreement=cr.Agreement(cosine=0.9999999))

@@ -198,6 +198,7 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
         names=capture_mod.output_names_of(out, leaves, target.output_names, call.names),
         baked=tuple(baked), outputs=tuple(TensorInfo(n, d, tuple(s)) for n, d, s in meta["outputs"]), phases={},
         precision=target.precision, agreement=target.agreement_now(),
+        precision_note=next((n for n in meta.get("notes", ()) if n.startswith(f"{target.precision} not served")), None),
     )
     return made, used
 
