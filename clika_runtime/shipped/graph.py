@@ -92,13 +92,17 @@ class ModelGraph:
             external_data = too_big(self._proto)
         return writing.save(self._proto, Path(path), external_data=external_data)
 
-    def quantized(self, precision: str = "int8", *, agreement: Agreement | None = None) -> "ModelGraph":
+    def quantized(self, precision: str = "int8", *, agreement: Agreement | None = None,
+                  inputs: Mapping[str, Any] | None = None) -> "ModelGraph":
         """This graph at reduced precision, as a new graph: ``"int8"`` is onnxruntime's dynamic
         int8 (CPU), with standard ONNX ops only (``MatMulInteger``, ``DynamicQuantizeLinear``).
 
-        Both graphs run on generated inputs at the capture's example sizes and the int8 graph is
+        Both graphs run on ``inputs`` (arrays by graph input name: give a real batch, as wide as
+        those it will serve; else generated inputs at the capture's example sizes, which say
+        little of a model of real data: token ids of 0 and 1, random floats) and the int8 graph is
         returned only when it agrees with this one by ``agreement`` (default
-        ``config.agreement``), else ``VerificationError`` with the figures; the measured agreement
+        ``config.agreement``; each output whole, then its rows, as a capture is judged), else
+        ``VerificationError`` with the figures; the measured agreement
         is in its metadata (``inspect`` shows it, ``validate`` compares by it). ``ValueError``
         for another precision (fp16 is made by capturing with ``precision="fp16"`` on CUDA,
         where it can be verified) or a graph already reduced.
@@ -111,7 +115,7 @@ class ModelGraph:
                              f"cr.compile(..., precision='fp16'), where it is checked)")
         if metadata.META_PRECISION in self.metadata:
             raise ValueError("quantized: this graph is already at reduced precision; quantize the fp32 graph")
-        return ModelGraph(quantized(self._proto, agreement or config.agreement, repr(self)))
+        return ModelGraph(quantized(self._proto, agreement or config.agreement, repr(self), inputs))
 
     def to_triton(
         self,

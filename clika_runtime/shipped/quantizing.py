@@ -1,8 +1,9 @@
 """A shipped fp32 graph quantized to int8 (``ModelGraph.quantized``), judged against itself.
 
-The fp32 graph and its int8 copy run on the same generated inputs at the sizes of the capture's
-example (random floats, small non-negative integers: ``validation.generated_feeds``), and the int8
-copy is kept only when it agrees by the ``Agreement`` asked for. No torch: a graph captured
+The fp32 graph and its int8 copy run on the same inputs: the caller's, else generated ones at the
+sizes of the capture's example (random floats, small non-negative integers:
+``validation.generated_feeds``), and the int8 copy is kept only when it agrees by the ``Agreement``
+asked for, each output whole and then by rows, as a capture is judged. No torch: a graph captured
 elsewhere can be quantized on a box with onnxruntime and numpy only.
 """
 
@@ -10,13 +11,13 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 import serving
 from clika_runtime.base.errors import VerificationError
-from clika_runtime.base.precision import INT8, Agreement, Record, judged
+from clika_runtime.base.precision import INT8, Agreement, Record, judged, rows_problem
 from clika_runtime.format import metadata
 from clika_runtime.format.graphfile import too_big
 from clika_runtime.shipped.served import metadata_and_guard, read_session
@@ -24,10 +25,12 @@ from clika_runtime.shipped.validation import generated_feeds
 from serving import quantize
 
 
-def quantized(model_proto: Any, agreement: Agreement, where: str, seed: int = 0) -> Any:
-    """``model_proto`` quantized to int8, carrying its measured agreement in its metadata;
-    ``VerificationError`` when it falls short of ``agreement``, ``ValueError`` when the graph
-    has nothing to quantize."""
+def quantized(model_proto: Any, agreement: Agreement, where: str, inputs: Mapping[str, Any] | None = None,
+              seed: int = 0) -> Any:
+    """``model_proto`` quantized to int8, judged on ``inputs`` (generated where ``None``), carrying
+    its measured agreement in its metadata; ``VerificationError`` when it falls short of
+    ``agreement``, ``ValueError`` when the graph has nothing to quantize or ``inputs`` do not
+    name its inputs."""
     import onnx
 
     with tempfile.TemporaryDirectory(prefix="clika_runtime_int8_") as folder:
@@ -38,17 +41,32 @@ def quantized(model_proto: Any, agreement: Agreement, where: str, seed: int = 0)
             raise ValueError(f"{where}: the graph has no MatMul over a constant float32 weight to quantize")
         cpu = serving.resolve("cpu")
         reference, reduced = (serving.open_session(str(path), cpu) for path in (source, target))
-        guard = metadata_and_guard(read_session(reference, where), where)[1]
-        sizes = {dim: size for dim, size in guard.example if not dim.startswith("#")}
-        feeds = generated_feeds(reference, guard, sizes, np.random.default_rng(seed))
-        missing = [name for name, value in feeds.items() if value is None]
-        if missing:
-            raise ValueError(f"{where}: input(s) {missing} cannot be generated (bfloat16, complex or too large) to "
-                             f"check the int8 graph against")
+        feeds = _given(reference, inputs) if inputs is not None else _generated(reference, where, seed)
         names = [o.name for o in reference.get_outputs()]
-        measured, short = judged(agreement, names, reference.run(None, feeds), reduced.run(None, feeds))
+        wanted, got = reference.run(None, feeds), reduced.run(None, feeds)
+        measured, short = judged(agreement, names, wanted, got)
+        short = short or next((p for n, w, g in zip(names, wanted, got) if (p := rows_problem(agreement, n, w, g))), None)
         if short:
             raise VerificationError(f"{where}: the int8 graph's agreement with the fp32 graph falls short: {short}")
         proto = onnx.load(str(target))
     metadata.attach(proto, {metadata.META_PRECISION: Record(INT8, agreement, tuple(measured)).to_json()})
     return proto
+
+
+def _given(session: Any, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    names = [i.name for i in session.get_inputs()]
+    if sorted(names) != sorted(inputs):
+        raise ValueError(f"quantized: inputs lack {[n for n in names if n not in inputs]} or name others: "
+                         f"expected {names}, got {sorted(inputs)}")
+    return {n: np.asarray(inputs[n]) for n in names}
+
+
+def _generated(session: Any, where: str, seed: int) -> dict[str, np.ndarray]:
+    guard = metadata_and_guard(read_session(session, where), where)[1]
+    sizes = {dim: size for dim, size in guard.example if not dim.startswith("#")}
+    feeds = generated_feeds(session, guard, sizes, np.random.default_rng(seed))
+    missing = [name for name, value in feeds.items() if value is None]
+    if missing:
+        raise ValueError(f"{where}: input(s) {missing} cannot be generated (bfloat16, complex or too large) to "
+                         f"check the int8 graph against: give quantized(inputs=...)")
+    return feeds

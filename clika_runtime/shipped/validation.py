@@ -120,7 +120,7 @@ def validate_graph(
         return report
     record = found.precision if found is not None else None
     if record is not None:
-        report.add(f"{record.precision} agreement at capture", True, str(record))
+        report.add(f"{record.precision} agreement recorded", True, str(record))  # at capture, or by quantized()
     _run_sizes(session, guard, str(path), dims or {}, np.random.default_rng(seed), report)
     if arrays is not None:
         report.add("matches reference outputs", *_compare_reference(session, arrays, str(reference), rtol, atol, record))
