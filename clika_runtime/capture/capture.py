@@ -121,8 +121,15 @@ def _build(
         phases[precision] = time.perf_counter() - started
     made = Made(plan, eager_out, folder, guard, list(exported.graph_leaves), dict(exported.constants), scalar_out,
                 names, baked, outputs, phases, precision, agreement,
-                None if note is None else f"{precision} not served, fp32 serves instead: {note}")
+                None if note is None else f"{precision} not served, {_unreduced(eager_out)} serves instead: {note}")
     return assemble(made, place, optimize, owner, keep_optimized=work_dir is not None)
+
+
+def _unreduced(eager_out: Any) -> str:
+    """The graph that serves where the precision asked for does not, by its outputs' float dtype."""
+    dtypes = {leaf.dtype for leaf in trees.flatten(eager_out)[0] if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+    other = sorted(str(d).replace("torch.", "") for d in dtypes - {torch.float32})
+    return f"the {other[0]} graph" if other and len(dtypes) == 1 else "fp32"
 
 
 def second_size(capture: Capture, plan: CapturePlan, trace: Callable[..., list[Any]], names: Sequence[str]) -> None:

@@ -41,7 +41,8 @@ def reduce(folder: graph_mod.GraphFolder, precision: str) -> str | None:
         memory.give_back()  # the converter held the fp32 model in memory (several copies of its weights)
     if not count:
         folder.drop_reduced()
-        return "the graph has no MatMul over a constant float32 weight to quantize" if precision == INT8 else \
+        return ("the graph has no MatMul over a constant float32 weight to quantize (a float16, bfloat16 or "
+                "float64 model quantizes after model.float())") if precision == INT8 else \
             "the graph has no float32 weights to convert"
     logger.debug("%s graph: %d ops converted in %.2f s", precision, count, time.perf_counter() - started)
     return None
