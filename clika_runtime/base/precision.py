@@ -114,7 +114,8 @@ class Agreement:
     def problem(self, measured: "Measured") -> str | None:
         """Why ``measured`` falls short of this agreement, in words (``None`` when it does not)."""
         if measured.exact is not None:
-            return None if measured.exact else f"output '{measured.name}': values differ (integer and bool outputs must match exactly)"
+            return None if measured.exact else \
+                f"output '{measured.name}': values differ (integer and bool outputs must match exactly)"
         if measured.misplaced:
             return f"output '{measured.name}': NaN or infinity where the reference has none, or the reverse"
         short = []

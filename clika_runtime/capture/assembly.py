@@ -117,7 +117,8 @@ def _shortfall(names: Sequence[str], eager_leaves: list[Any], leaves: list[Any],
 
 
 def _rows_short(names: Sequence[str], eager_leaves: list[Any], leaves: list[Any], agreement: Agreement) -> str | None:
-    floats = [(n, e, g) for n, e, g in zip(names, eager_leaves, leaves) if isinstance(e, torch.Tensor) and e.is_floating_point()]
+    floats = [(n, e, g) for n, e, g in zip(names, eager_leaves, leaves)
+              if isinstance(e, torch.Tensor) and e.is_floating_point()]
     return next((p for n, e, g in floats if (p := rows_problem(agreement, n, _float64(e), _float64(g)))), None)
 
 

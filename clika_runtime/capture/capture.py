@@ -127,7 +127,8 @@ def _build(
 
 def _unreduced(eager_out: Any) -> str:
     """The graph that serves where the precision asked for does not, by its outputs' float dtype."""
-    dtypes = {leaf.dtype for leaf in trees.flatten(eager_out)[0] if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+    leaves = trees.flatten(eager_out)[0]
+    dtypes = {leaf.dtype for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
     other = sorted(str(d).replace("torch.", "") for d in dtypes - {torch.float32})
     return f"the {other[0]} graph" if other and len(dtypes) == 1 else "fp32"
 

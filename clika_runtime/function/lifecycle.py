@@ -32,7 +32,8 @@ from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiatin
 from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, Settle, decide, learned, planned,
 )
-from clika_runtime.function.table import CacheTable, State, empty, noted, retrying_refused, swapped, with_capture, without
+from clika_runtime.function.table import (CacheTable, State, empty, noted, retrying_refused, swapped, with_capture,
+                                          without)
 from clika_runtime.state import reads, weights
 from clika_runtime.state.snapshot import Snapshot, hook_containers
 from clika_runtime.trees import kvcache

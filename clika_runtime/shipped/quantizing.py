@@ -45,7 +45,8 @@ def quantized(model_proto: Any, agreement: Agreement, where: str, inputs: Mappin
         names = [o.name for o in reference.get_outputs()]
         wanted, got = reference.run(None, feeds), reduced.run(None, feeds)
         measured, short = judged(agreement, names, wanted, got)
-        short = short or next((p for n, w, g in zip(names, wanted, got) if (p := rows_problem(agreement, n, w, g))), None)
+        rows = (rows_problem(agreement, n, w, g) for n, w, g in zip(names, wanted, got))
+        short = short or next((p for p in rows if p), None)
         if short:
             raise VerificationError(f"{where}: the int8 graph's agreement with the fp32 graph falls short: {short}")
         proto = onnx.load(str(target))

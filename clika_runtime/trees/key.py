@@ -339,7 +339,8 @@ def _words(static: Any) -> str:
     items = rest[0]
     if issubclass(kind, (list, tuple, set, frozenset)):
         inner = ", ".join(_words(v) for v in items)
-        return {list: f"[{inner}]", tuple: f"({inner}{',' if len(items) == 1 else ''})"}.get(kind, f"{kind.__name__}({inner})")
+        plain = {list: f"[{inner}]", tuple: f"({inner}{',' if len(items) == 1 else ''})"}
+        return plain.get(kind, f"{kind.__name__}({inner})")
     if issubclass(kind, dict):
         return "{" + ", ".join(f"{_words(k)}: {_words(v)}" for k, v in items) + "}"
     return f"{kind.__name__}(" + ", ".join(f"{k}={_words(v)}" for k, v in items) + ")"  # a dataclass or object
