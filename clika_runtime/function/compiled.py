@@ -150,12 +150,14 @@ class CompiledFunction(Copies, Generic[P, R]):
 
     @property
     def state(self) -> State:
-        """``State.Pending``, ``State.Compiled`` or ``State.Fallback`` (see ``State``): also
-        ``Fallback`` while nothing is captured and the keys seen so far serve eagerly (their
-        captures failed; ``eager_keys`` says why), though a call with a new key may still capture."""
+        """``State.Pending``, ``State.Compiled`` or ``State.Fallback`` (see ``State``). With no
+        capture held, never ``Compiled``: ``Fallback`` where the keys seen so far serve eagerly
+        (their captures failed; ``eager_keys`` says why), though a call with a new key may still
+        capture; else ``Pending``, the next call captures (after changed weights dropped the
+        captures, or once weights that kept changing past the re-capture limit hold still)."""
         table = self._lifecycle.table
-        if table.state is not State.Fallback and table.refused and not table.entries:
-            return State.Fallback
+        if table.state is not State.Fallback and not table.entries:
+            return State.Fallback if table.refused else State.Pending
         return table.state
 
     @property
