@@ -74,7 +74,8 @@ ENCODER_DIM = "encoder_sequence_length"  # the cross-attention cache's length, a
 KINDS = ("key", "value")
 DECODER, ENCODER = "decoder", "encoder"  # an encoder-decoder cache's self- and cross-attention parts
 SEQUENCE_AXIS = 2  # [batch, heads, sequence, head_dim]
-_FIX = "call the model with use_cache=False to serve it from a graph"
+_FIX = ("use the default cache (a DynamicCache; an EncoderDecoderCache of two), or call the model (or generate) "
+        "with use_cache=False to serve it from a graph")
 
 
 class Refused(Unkeyable):
@@ -197,8 +198,9 @@ class EncoderDecoderCacheAdapter(CacheAdapter):
     from the encoder output by the first step and only read after it; ``is_updated`` (layer ->
     whether its cross-attention cache is filled) tells the attention which. A layer flattens to
     ``(self key, self value, cross key, cross value)`` (HuggingFace's legacy per-layer tuple) or
-    ``()`` while both are empty; ``is_updated`` and both caches' layouts are the context, so a
-    first step (empty) and a step with past (filled) are different keys: two graphs."""
+    ``()`` while both are empty; ``is_updated``, both caches' layouts and any settings beside them
+    are the context, so a first step (empty) and a step with past (filled) are different keys: two
+    graphs."""
 
     _PART_NAMES = ("self_attention_cache", "cross_attention_cache")
     _STATE = frozenset({*_PART_NAMES, "is_updated"})
@@ -210,8 +212,15 @@ class EncoderDecoderCacheAdapter(CacheAdapter):
 
     def flatten(self, cache: Any) -> tuple[list[Any], Hashable, Sequence[Any]]:
         state = cache.__dict__
-        if state.keys() != self._STATE:
-            return refuse(cache, f"unknown state {sorted(state.keys() ^ self._STATE)}")
+        if self._STATE - state.keys():
+            return refuse(cache, f"no {sorted(self._STATE - state.keys())}")
+        # Settings beside the parts (``_is_user_defined``: generate marks a cache it was given) are
+        # kept in the context as they are, as DynamicCache's are.
+        settings = tuple((k, v) for k, v in state.items() if k not in self._STATE)
+        try:
+            hash(settings)
+        except TypeError:
+            return refuse(cache, f"settings {[k for k, _ in settings]} that cannot key a capture")
         parts = [state[name] for name in self._PART_NAMES]
         kinds = {type(part) for part in parts} - {self.dynamic.cls}
         if kinds:
@@ -224,16 +233,17 @@ class EncoderDecoderCacheAdapter(CacheAdapter):
             return refuse(cache, "layers whose self- and cross-attention caches are not filled together")
         updated = state["is_updated"]
         children = [(*a, *b) for a, b in zip(own, cross)]
-        return children, (own_context, cross_context, tuple(updated.items())), range(len(children))
+        return children, (own_context, cross_context, tuple(updated.items()), settings), range(len(children))
 
     def unflatten(self, context: Any, children: Sequence[Any]) -> Any:
-        own_context, cross_context, updated = context
+        own_context, cross_context, updated, settings = context
         cache = self.cls.__new__(self.cls)
         cache.__dict__.update(
             self_attention_cache=self.dynamic.unflatten(own_context, [layer[:2] for layer in children]),
             cross_attention_cache=self.dynamic.unflatten(cross_context, [layer[2:] for layer in children]),
             is_updated=dict(updated),
         )
+        cache.__dict__.update(settings)
         return cache
 
     def adopt(self, target: Any, made: Any) -> None:
