@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import clika_runtime as cr
+from clika_runtime.shipped.describe import describe_graph
 
 transformers = pytest.importorskip("transformers")
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
@@ -250,6 +251,9 @@ def test_shipped_graphs_drive_a_greedy_loop_in_plain_onnxruntime(seq2seq, tmp_pa
     assert "past_key_values.0.decoder.key" not in first.input_names and "present.0.encoder.key" in first.output_names
     for name, graph in (("encoder", encoder), ("first", first), ("past", past)):
         graph.save(tmp_path / f"{name}.onnx")
+    # How cr.load takes the cache, in inspect's words (it said "((key, value), ...)": a trial).
+    described = describe_graph(past.model_proto, "past").key
+    assert "EncoderDecoderCache of 2 layers, as ((self key, self value, cross key, cross value), ...)" in described
     inputs = seq2seq.inputs(6, seed=8)
     prompt = [3, 10, 12, 14] if seq2seq.name == "whisper" else [seq2seq.model.config.decoder_start_token_id]
     for name, value in inputs.items():

@@ -71,7 +71,9 @@ def cache_words(name: str, description: dict[str, Any]) -> str:
         empty = "(" + ", ".join("()" for _ in layers) + ("," if len(layers) == 1 else "") + ")"
         return (f"{name}={empty} (an empty {kind} of {len(layers)} layers: a prefill; "
                 f"{name}=None or no {name} is taken too)")
-    return f"{name}: {kind} of {len(layers)} layers, as ((key, value), ...) arrays"
+    width = len(layers[0].get("children", ())) if layers else 2
+    layer = "(key, value)" if width == 2 else "(self key, self value, cross key, cross value)"
+    return f"{name}: {kind} of {len(layers)} layers, as ({layer}, ...) arrays"
 
 
 def _static_leaves(description: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
