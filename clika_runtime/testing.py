@@ -56,7 +56,8 @@ def assert_graph_matches_eager(
             _compare(index, served, expected, rtol, atol)
         if f.recapture_count != count or f.state is not State.Compiled:
             raise AssertionError(
-                f"{f.__name__}: the examples were not all served by one set of graphs: {f.recapture_reasons[count:]}"
+                f"{f.__name__}: the examples were not all served by one set of graphs: "
+                f"{f.recapture_reasons[count - f.recapture_count:] if f.recapture_count > count else []}"
             )
     return f
 

@@ -126,3 +126,20 @@ def test_sources_of_graph_modules_made_outside_a_capture_stay():
         cr.compile(_net())(torch.randn(2, 8))
     assert name in linecache.cache
     assert name in graph_module._loader.eval_cache
+
+
+def test_trap_a_long_lived_function_keeps_its_most_recent_reasons_not_all(monkeypatch):
+    # Each re-capture added its reason to a tuple copied whole: a server hot-swapping weights
+    # every minute held every reason since it started, and copied them all at each swap.
+    from clika_runtime.function import table
+
+    monkeypatch.setattr(table, "WORDS_KEPT", 3)
+    model = torch.nn.Linear(4, 2).eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        for scale in range(6):
+            model.weight.mul_(1.5)
+            f(x)
+    assert f.recapture_count == 5 and len(f.recapture_reasons) == 3
+    assert all(reason.startswith("weights changed") for reason in f.recapture_reasons)

@@ -167,7 +167,8 @@ class CompiledFunction(Copies, Generic[P, R]):
 
     @property
     def recapture_reasons(self) -> list[str]:
-        """Why each re-capture happened, one entry per re-capture, in order."""
+        """Why each re-capture happened, one entry per re-capture, in order (the most recent
+        1000: ``recapture_count`` counts them all)."""
         return list(self._lifecycle.table.reasons)
 
     @property
@@ -187,7 +188,8 @@ class CompiledFunction(Copies, Generic[P, R]):
 
     @property
     def capture_notes(self) -> list[str]:
-        """What captures had to give up to succeed (numbers baked, axes exported static), in order."""
+        """What captures had to give up to succeed (numbers baked, axes exported static), in order
+        (the most recent 1000)."""
         return list(self._lifecycle.table.notes)
 
     @property

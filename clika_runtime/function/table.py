@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 # sizes 0/1, which get graphs of their own (two dynamic axes: nine combinations of 0, 1 and the
 # rest), so calls alternating across them stop re-capturing. Past it the least recently used goes.
 VARIANTS = 8
+# Re-capture reasons and capture notes a function keeps, the most recent: a long-lived server
+# that hot-swaps its weights re-captures without end, and each new table copies them.
+WORDS_KEPT = 1000
 
 
 class State(enum.Enum):
@@ -130,10 +133,15 @@ def with_capture(
                       "raise cr.config.cache_size)",)
     return _rebuilt(
         table, entries, flat=capture.flat, state=State.Compiled, knowledge=knowledge, pending=None,
-        pending_spends=False, last=capture.described, last_names=capture.names, notes=table.notes + tuple(notes),
-        recaptures=table.recaptures + (reason is not None), reasons=table.reasons + ((reason,) if reason else ()),
+        pending_spends=False, last=capture.described, last_names=capture.names, notes=_kept(table.notes, notes),
+        recaptures=table.recaptures + (reason is not None), reasons=_kept(table.reasons, [reason] if reason else []),
         spent=spent, snapshot=snapshot,
     )
+
+
+def _kept(words: tuple[str, ...], more: Sequence[str]) -> tuple[str, ...]:
+    """``words`` then ``more``, the most recent ``WORDS_KEPT`` of them."""
+    return (words + tuple(more))[-WORDS_KEPT:] if more else words
 
 
 def _recent(kept: tuple["Capture", ...], new: "Capture") -> tuple["Capture", ...]:
@@ -168,12 +176,12 @@ def swapped(table: CacheTable, old: "Capture", new: "Capture", note: str) -> Cac
     """``table`` with ``new`` in ``old``'s place (a guard that refuses more), and ``note`` said."""
     entries = {k: tuple(new if c is old else c for c in v) for k, v in table.entries.items()}
     flat = new.flat if table.flat is old.flat else table.flat
-    return _rebuilt(table, entries, flat=flat, notes=table.notes + (note,))
+    return _rebuilt(table, entries, flat=flat, notes=_kept(table.notes, [note]))
 
 
 def noted(table: CacheTable, note: str) -> CacheTable:
     """``table`` with ``note`` said (``f.capture_notes``)."""
-    return _rebuilt(table, dict(table.entries), notes=table.notes + (note,))
+    return _rebuilt(table, dict(table.entries), notes=_kept(table.notes, [note]))
 
 
 def rewatched(table: CacheTable, snapshot: Snapshot | None = None) -> CacheTable:
