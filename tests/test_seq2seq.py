@@ -195,22 +195,6 @@ def test_beam_generate_captures_the_decoder_batch_once(seq2seq):
     assert beams["second_captures"] == 0 and beams["second_calls"] == 0
 
 
-def test_trap_a_cache_the_caller_passes_to_generate_is_served(seq2seq):
-    # generate marks a cache it was given (`_is_user_defined`): the adapter refused the unknown
-    # attribute and every decoder step ran eagerly (found by a trial).
-    from transformers import DynamicCache, EncoderDecoderCache
-
-    d = seq2seq
-    inputs = d.inputs(7, seed=4)
-    expected = d.generate(inputs, eager=True, past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()))
-    for _ in range(2):
-        calls = d.calls()
-        got = d.generate(inputs, past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()))
-        _assert_same_generation(got, expected)
-    assert d.calls() - calls == 0, d.f.eager_keys  # the second such generate: served whole
-    assert not d.f.eager_keys
-
-
 def test_whisper_starts_with_its_forced_prompt(seq2seq):
     if seq2seq.name != "whisper":
         pytest.skip("Whisper's decoder prompt")
@@ -285,6 +269,23 @@ def test_shipped_graphs_drive_a_greedy_loop_in_plain_onnxruntime(seq2seq, tmp_pa
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert [int(t) for t in result.stdout.split()] == _eager_greedy(seq2seq, inputs, prompt, STEPS)
+
+
+def test_trap_a_cache_the_caller_passes_to_generate_is_served(seq2seq):
+    # After the shipped-graphs test: its captures join the function's. generate marks a cache it was given (`_is_user_defined`): the adapter refused the unknown
+    # attribute and every decoder step ran eagerly (found by a trial).
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    d = seq2seq
+    inputs = d.inputs(7, seed=4)
+    expected = d.generate(inputs, eager=True, past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()))
+    for _ in range(2):
+        calls = d.calls()
+        got = d.generate(inputs, past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()))
+        _assert_same_generation(got, expected)
+    assert d.calls() - calls == 0, d.f.eager_keys  # the second such generate: served whole
+    assert not d.f.eager_keys
+
 
 
 # ---------------------------------------------------------------------- the forward called by hand

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -100,3 +101,46 @@ def test_a_returned_torch_size_comes_back_as_a_torch_size():
         for _ in range(2):
             out, size = f(torch.randn(6), torch.Size([2, 3]))
     assert type(size) is torch.Size and size == torch.Size([2, 3]) and out.shape == (2, 3)
+
+
+class _Scale(float):
+    pass
+
+
+class _Mode(str):
+    pass
+
+
+class _Slotted:
+    __slots__ = ("k",)
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+
+def _times(x, k):
+    return x * k
+
+
+@pytest.mark.parametrize("make", [
+    _Scale,
+    lambda k: _Mode("a" * int(k)),
+    lambda k: functools.partial(_times, k=k),
+    lambda k: functools.partial(_times, k),
+    _Slotted,
+], ids=["float subclass", "str subclass", "partial keyword", "partial positional", "slots"])
+def test_trap_statics_whose_value_is_not_in_their_dict_key_by_their_value(make):
+    # A float or str subclass, a partial and a slotted object were keyed by their (empty) __dict__:
+    # f(x, Scale(5.0)) was served Scale(1.0)'s graph, 1.0 where eager gives 5.0 (found by a trial).
+    def fn(x, s):
+        if isinstance(s, functools.partial):
+            return s(x)
+        if isinstance(s, _Slotted):
+            return x * s.k
+        return x * (len(s) if isinstance(s, str) else s)
+
+    f = cr.compile(fn)
+    x = torch.ones(3)
+    with torch.no_grad():
+        for k in (1.0, 5.0, 5.0, 2.0):
+            torch.testing.assert_close(f(x, make(k)), fn(x, make(k)))

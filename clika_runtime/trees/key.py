@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import weakref
 from math import copysign
-from typing import Any, Hashable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -106,6 +107,11 @@ _NUMPY_SCALARS = (np.generic,)  # np.float32(0.7), np.int64(3): numbers, keyed b
 # Code and classes: immutable in practice, so identity is their value (as torch.compile guards them).
 _BY_IDENTITY = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
                 types.BuiltinMethodType)
+# A subclass of a value type holds its value in its base, not in its attributes: how to read it.
+_VALUE_BASES: dict[type, Callable[[Any], Any]] = {
+    bool: bool.__bool__, int: int.__int__, float: float.__float__, str: str.__str__,
+    bytes: lambda v: bytes(memoryview(v)), complex: lambda v: complex(v.real, v.imag),
+}
 _BY_VALUE_DEPTH = 4
 _BY_VALUE_ITEMS = 64
 
@@ -148,6 +154,12 @@ def _by_value(value: Any, depth: int) -> Hashable:
         raise Unkeyable(f"a {kind.__name__} nested too deep to compare by value")
     if isinstance(value, (_Tensor, torch.nn.Module)):
         raise Unkeyable(f"an object holding a {kind.__name__}, whose value cannot key a capture")
+    base = next((b for b in _VALUE_BASES if isinstance(value, b)), None)
+    if base is not None:  # Scale(5.0): its number is its base's, not in its attributes
+        return (kind, _by_value(_VALUE_BASES[base](value), depth - 1), _attributes(value, kind, depth, empty_ok=True))
+    if isinstance(value, functools.partial):  # its function and arguments are slots, not attributes
+        return (kind, _by_value(value.func, depth - 1), _by_value(value.args, depth - 1),
+                _by_value(value.keywords, depth - 1), _attributes(value, kind, depth, empty_ok=True))
     if isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
         return (kind, tuple(_by_value(v, depth - 1) for v in _capped(items, kind)))
@@ -156,10 +168,21 @@ def _by_value(value: Any, depth: int) -> Hashable:
     if dataclasses.is_dataclass(value):
         fields = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
         return (kind, tuple((k, _by_value(v, depth - 1)) for k, v in _capped(fields, kind)))
-    state = getattr(value, "__dict__", None)
-    if state is None:
+    return (kind, _attributes(value, kind, depth))
+
+
+def _attributes(value: Any, kind: type, depth: int, empty_ok: bool = False) -> tuple:
+    """An object's attributes (its ``__dict__`` and ``__slots__``) by value, as (name, value) pairs."""
+    slots = [name for cls in kind.__mro__ for name in _slot_names(cls) if name not in ("__dict__", "__weakref__")]
+    state = [*getattr(value, "__dict__", {}).items(), *((n, getattr(value, n)) for n in slots if hasattr(value, n))]
+    if not state and not empty_ok and not hasattr(value, "__dict__"):
         raise Unkeyable(f"a {kind.__name__} has no attributes to compare by value")
-    return (kind, tuple((k, _by_value(v, depth - 1)) for k, v in _capped(state.items(), kind)))
+    return tuple((k, _by_value(v, depth - 1)) for k, v in _capped(state, kind))
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    slots = cls.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
 def _capped(items: Any, kind: type) -> list:
@@ -336,14 +359,25 @@ def _words(static: Any) -> str:
         return f"np.{kind.__name__}({_words(rest[0])})"
     if not isinstance(kind, type) or kind in _PLAIN or issubclass(kind, (enum.Enum, *_BY_IDENTITY)):
         return repr(rest[0])
+    if issubclass(kind, tuple(_VALUE_BASES)):  # Scale(5.0)
+        return f"{kind.__name__}({_words(rest[0])}{_fields(rest[1])})"
+    if issubclass(kind, functools.partial):
+        func, args, keywords = rest[0], rest[1][1], rest[2][1]
+        parts = [_words(func), *map(_words, args), *(f"{k[1]}={_words(v)}" for k, v in keywords)]
+        return f"{kind.__name__}({', '.join(parts)}{_fields(rest[3])})"
     items = rest[0]
     if issubclass(kind, (list, tuple, set, frozenset)):
         inner = ", ".join(_words(v) for v in items)
-        plain = {list: f"[{inner}]", tuple: f"({inner}{',' if len(items) == 1 else ''})"}
+        plain = {list: f"[{inner}]", tuple: f"({inner}{',' if len(items) == 1 else ''})",
+                 set: f"{{{inner}}}" if items else "set()", frozenset: f"frozenset({{{inner}}})"}
         return plain.get(kind, f"{kind.__name__}({inner})")
     if issubclass(kind, dict):
         return "{" + ", ".join(f"{_words(k)}: {_words(v)}" for k, v in items) + "}"
     return f"{kind.__name__}(" + ", ".join(f"{k}={_words(v)}" for k, v in items) + ")"  # a dataclass or object
+
+
+def _fields(attributes: tuple) -> str:
+    return "".join(f", {k}={_words(v)}" for k, v in attributes)
 
 
 def _dtype(meta: tuple) -> str:
