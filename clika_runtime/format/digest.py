@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 
 from clika_runtime.base.errors import GraphFileError
 from clika_runtime.format.graphfile import EXTERNAL, LENGTH, MAX_NESTING, PATHS, VARINT, entry, outside, spans, varint
-from clika_runtime.format.metadata import MAX_VALUE_BYTES, META_DIGEST, META_VERSION
+from clika_runtime.format.metadata import MAX_VALUE_BYTES, META_DIGEST
 
 logger = logging.getLogger("clika_runtime")
 
@@ -46,8 +46,7 @@ _TENSOR_NAME, _RAW_DATA, _EXTERNAL_DATA, _DATA_LOCATION = 8, 9, 13, 14
 _TYPED_DATA = frozenset({4, 5, 6, 7, 10, 11})  # float, int32, string, int64, double, uint64 data
 _CHUNK = 16 * 2**20
 _SHOWN = 16  # hex digits of a digest a message shows
-_OURS = b"clika_runtime."
-_FIRST_WITH_DIGESTS = (0, 3)  # every graph clika_runtime 0.3 and later saves records its digest
+_RECORD_START = f'{{"algorithm":"{ALGORITHM}","graph":"'.encode()  # how every record ``Digest.record`` writes starts
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ class Found:
     computed: Digest
     recorded: str | None
     kept: tuple[tuple[int, int], ...]
-    writer: str | None = None  # the version of ours a digest-less file says wrote it, when one that records digests
+    damaged_key: str | None = None  # where a digest record lies under another key (a flipped bit in ours)
 
 
 def compute(data: bytes, folder: Path | None, where: str, *, keep: dict | None = None) -> Found:
@@ -106,18 +105,7 @@ def compute(data: bytes, folder: Path | None, where: str, *, keep: dict | None =
         pos = end
     kept.append((pos, len(data)))
     computed = Digest(graph.hex(), tuple(walk.tensors), tuple(walk.names))
-    writer = walk.writer or "(version entry damaged)" if walk.ours and _records_digests(walk.writer) else None
-    return Found(computed, walk.recorded, tuple((a, b) for a, b in kept if b > a), writer)
-
-
-def _records_digests(version: str | None) -> bool:
-    """Whether the clika_runtime ``version`` a file's metadata names (``None``: none named, which
-    no version of ours writes) records a digest in every graph it saves. A version that does not
-    read as one does: a damaged entry must not be what turns the check off."""
-    try:
-        return tuple(int(part) for part in (version or "").split(".")[:2]) >= _FIRST_WITH_DIGESTS
-    except ValueError:
-        return True
+    return Found(computed, walk.recorded, tuple((a, b) for a, b in kept if b > a), walk.damaged_key)
 
 
 def verify(data: bytes, folder: Path | None, where: str, *, keep: dict | None = None) -> Found:
@@ -125,11 +113,11 @@ def verify(data: bytes, folder: Path | None, where: str, *, keep: dict | None = 
     when the file records a digest its content does not have. A file that records none is
     logged (INFO) and passes: graphs saved before digests load as before."""
     found = compute(data, folder, where, keep=keep)
-    if found.recorded is None and found.writer is not None:
+    if found.recorded is None and found.damaged_key is not None:
         raise GraphFileError(
-            f"{where}: records no content digest, yet clika_runtime {found.writer} wrote it, which records one in "
-            f"every graph it saves: the entry was damaged or the file was written by other means after it was saved "
-            f"(re-save it with ModelGraph.save; verify_digest=False / --no-digest skips this check)")
+            f"{where}: its content digest lies under the metadata key {found.damaged_key!r}, not {META_DIGEST!r}: "
+            f"the file changed after it was saved (re-save or re-copy it; verify_digest=False / --no-digest skips "
+            f"this check)")
     if found.recorded is None:
         logger.info("%s: carries no content digest (saved before clika_runtime wrote digests, or by another tool): "
                     "its content is not checked", where)
@@ -203,8 +191,7 @@ class _Walk:
         self.tensors: list[str] = []
         self.names: list[str] = []
         self.recorded: str | None = None
-        self.ours = False  # the metadata holds an entry of ours besides the digest
-        self.writer: str | None = None  # the clika_runtime version the metadata says wrote the file
+        self.damaged_key: str | None = None  # the key a digest record lies under, where not ours
         self.cut: list[tuple[int, int]] = []
         self._files: dict[str, BinaryIO] = {}
         self._read: dict[str, int] = {}  # bytes read per external file
@@ -234,10 +221,9 @@ class _Walk:
 
     def _is_digest(self, start: int, end: int) -> bool:
         key, value = entry(self.data, start, end)
-        if key == META_VERSION.encode():
-            self.writer = value.decode("utf-8", "replace")[:40]
         if key != META_DIGEST.encode():
-            self.ours = self.ours or key.startswith(_OURS)
+            if value.startswith(_RECORD_START):  # our record under another key: the key was damaged
+                self.damaged_key = key.decode("utf-8", "replace")[:60]
             return False
         if self.recorded is not None:
             raise ValueError(f"two {META_DIGEST} entries")

@@ -152,7 +152,8 @@ class ModelGraph:
         """Read a ``.onnx`` file (with its external data, if any, which must be regular files in its
         folder); ``GraphFileError`` for a file that reaches outside it, whose metadata is malformed,
         or whose content is not what its digest records (``verify_digest=False`` skips that check;
-        a file without a digest loads, with an INFO log line)."""
+        a file without a digest loads, with an INFO log line). The graph in memory holds no
+        digest: ``save`` records one for the file it writes."""
         path = existing(path)
         checked = graphfile.check(path)
         regions: dict[tuple[str, bytes | None, bytes | None], bytes] = {}
@@ -161,6 +162,11 @@ class ModelGraph:
         proto = graphfile.parsed(checked.data, path)
         _place_external_data(proto, path, regions)
         metadata.read({p.key: p.value for p in proto.metadata_props}, str(path))  # refuse a malformed graph now
+        # The digest is the file's, not the model's: kept, it would go stale with any change made
+        # to the graph in memory (quantized(), an edit then onnx.save). save() writes a new one.
+        kept = [p for p in proto.metadata_props if p.key != metadata.META_DIGEST]
+        del proto.metadata_props[:]
+        proto.metadata_props.extend(kept)
         return cls(proto)
 
     def serve(self, place: PlaceLike = None, *, output_types: Any = ()) -> Any:
