@@ -7,6 +7,7 @@ attention fused by the rewriter before quantizing), each captured once per modul
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -208,9 +209,9 @@ def test_bad_precisions_are_refused_in_one_line():
     ("agreement", 0.99, "clika_runtime.Agreement"),
     ("cache_size", "8", "an int >= 1"),
     ("cache_size", 0, "an int >= 1"),
-    ("recapture_limit", -1, "an int >= 0"),
-    ("intra_op_threads", 2.5, "None or an int >= 1"),
-    ("cache_max_bytes", None, "an int >= 0"),
+    ("recapture_limit", -1, "a number >= 0 (math.inf: no limit)"),
+    ("intra_op_threads", 2.5, "None or an int >= 0 (0, None: torch's thread count)"),
+    ("cache_max_bytes", None, "a number of bytes >= 0"),
     ("progress", "yes", "True, False or 'auto'"),
     ("cache_dir", 3, "a path, 'auto' or None"),
     ("tolerances", {"float32": 1e-4}, "a dict of dtype name -> (rtol, atol)"),
@@ -222,6 +223,21 @@ def test_trap_a_config_value_of_the_wrong_kind_is_refused_when_set(name, value, 
     with pytest.raises((TypeError, ValueError), match=rf"clika_runtime.config.{name}: expected {re.escape(expected)}, got"):
         setattr(cr.config, name, value)
     assert getattr(cr.config, name) == before
+
+
+@pytest.mark.parametrize("name, value", [
+    ("cache_size", np.int64(4)), ("recapture_limit", math.inf), ("recapture_limit", np.int32(3)),
+    ("intra_op_threads", 0), ("cache_max_bytes", 2e9), ("tolerances", {"float32": [1e-4, np.float32(1e-5)]}),
+    ("progress", 0), ("progress", 1), ("cache_dir", Path("/tmp/x")),
+])
+def test_config_values_of_every_usual_kind_are_taken(name, value):
+    # numpy ints, math.inf, 2e9, lists: refusing them was a regression an attack on the check found.
+    before = getattr(cr.config, name)
+    try:
+        setattr(cr.config, name, value)
+        assert getattr(cr.config, name) is value
+    finally:
+        setattr(cr.config, name, before)
 
 
 def test_fp32_is_unchanged():

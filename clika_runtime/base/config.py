@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 from dataclasses import dataclass, field
@@ -97,26 +98,32 @@ class Config:
 
 
 def _count(least: int) -> Callable[[object], bool]:
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+    return lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= least
+
+
+def _bound(value: object) -> bool:  # a count that may be unbounded (math.inf) or a float (2e9)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0
 
 
 def _tolerances(value: object) -> bool:
-    pairs = value.values() if isinstance(value, dict) else ()
-    return isinstance(value, dict) and all(isinstance(k, str) for k in value) and all(
-        isinstance(p, tuple) and len(p) == 2 and all(isinstance(t, (int, float)) and t >= 0 for t in p) for p in pairs)
+    def pair(p: object) -> bool:
+        return isinstance(p, (tuple, list)) and len(p) == 2 and all(_bound(t) for t in p)
+
+    return isinstance(value, dict) and all(isinstance(k, str) and pair(p) for k, p in value.items())
 
 
 # setting: (whether a value is right, what is expected in words, the types a right value has)
 _CHECKS = {
-    "cache_size": (_count(1), "an int >= 1", int),
-    "recapture_limit": (_count(0), "an int >= 0", int),
-    "intra_op_threads": (lambda v: v is None or _count(1)(v), "None or an int >= 1", (int, type(None))),
+    "cache_size": (_count(1), "an int >= 1", numbers.Integral),
+    "recapture_limit": (_bound, "a number >= 0 (math.inf: no limit)", numbers.Real),
+    "intra_op_threads": (lambda v: v is None or _count(0)(v), "None or an int >= 0 (0, None: torch's thread count)",
+                         (numbers.Integral, type(None))),
     "tolerances": (_tolerances, "a dict of dtype name -> (rtol, atol)", dict),
     "agreement": (lambda v: isinstance(v, Agreement), "clika_runtime.Agreement", Agreement),
     "cache_dir": (lambda v: v is None or isinstance(v, (str, os.PathLike)), "a path, 'auto' or None",
                   (str, os.PathLike, type(None))),
-    "cache_max_bytes": (_count(0), "an int >= 0", int),
-    "progress": (lambda v: isinstance(v, bool) or v == AUTO, "True, False or 'auto'", (bool, str)),
+    "cache_max_bytes": (_bound, "a number of bytes >= 0", numbers.Real),
+    "progress": (lambda v: v in (True, False) or v == AUTO, "True, False or 'auto'", (bool, int, str)),
 }
 
 config = Config()
