@@ -72,7 +72,9 @@ def test_weights_that_change_before_their_graph_serves_spend_it_then_wait_for_st
             torch.testing.assert_close(f(x), model(x))
     # No graph serves while the weights keep changing: Pending, the next still call captures (it
     # read Compiled with no capture held: found by a trial).
-    assert not f.captures and f.state is cr.CompiledFunction.State.Pending
+    assert not f.captures and f.state is cr.CompiledFunction.State.Pending and "Pending, 0 capture(s)" in repr(f)
+    with pytest.raises(cr.StateError, match="needs State.Compiled, but the function is in State.Pending: call it once"):
+        f.take_graph()
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(f(x), model(x))

@@ -228,9 +228,10 @@ class CompiledFunction(Copies, Generic[P, R]):
             table = self._lifecycle.table
             current = table.to_ship()
             if table.state is not _COMPILED or current is None:
+                state = self.state
                 raise StateError(
-                    f"take_graph() needs State.Compiled, but the function is in {table.state}: "
-                    + ("call it once to capture a graph" if table.state is State.Pending else "call reset() and capture again")
+                    f"take_graph() needs State.Compiled, but the function is in {state}: "
+                    + ("call it once to capture a graph" if state is State.Pending else "call reset() and capture again")
                 )
             graph = current.graph()
             self._lifecycle.swap(fallen_back(table, "graph taken by take_graph(); serving eagerly until reset()"))
@@ -238,7 +239,7 @@ class CompiledFunction(Copies, Generic[P, R]):
 
     def __repr__(self) -> str:
         table: CacheTable = self._lifecycle.table
-        return f"<CompiledFunction {self.__name__} {table.state.name}, {len(table.captures)} capture(s)>"
+        return f"<CompiledFunction {self.__name__} {self.state.name}, {len(table.captures)} capture(s)>"
 
 
 # ---------------------------------------------------------------------------------------- helpers
