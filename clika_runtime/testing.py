@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from clika_runtime.base.precision import Agreement, measure, rows_problem
 from clika_runtime.function.compiled import CompiledFunction, State
 from clika_runtime.trees import pytrees as trees
 
@@ -34,9 +35,10 @@ def assert_graph_matches_eager(
 
     Each example is a tuple of positional arguments, a single argument, or ``(args, kwargs)``. The
     examples are called once to capture (shapes may drift between them), then once more: each call
-    of the second pass must be served by a graph, without re-capture, and match eager within ``rtol``/``atol``
-    (default: ``torch.testing.assert_close``'s for the dtype). Failures name the example, the
-    output path and the worst difference. Returns the compiled function for further checks.
+    of the second pass must be served by a graph, without re-capture, and match eager within
+    ``rtol``/``atol`` (default: ``torch.testing.assert_close``'s for the dtype; for a graph at
+    reduced precision, the agreement it serves by, its rows included). Failures name the example,
+    the output path and the worst difference. Returns the compiled function for further checks.
     """
     f = CompiledFunction(fn, **compile_options)
     calls = [_split_call(e) for e in examples]
@@ -45,28 +47,35 @@ def assert_graph_matches_eager(
             f(*args, **kwargs)
         if f.state is not State.Compiled:
             raise AssertionError(f"{f.__name__} did not compile: {f.fallback_reason or '; '.join(f.recapture_reasons)}")
-        count = f.recapture_count
         for index, (args, kwargs) in enumerate(calls):
-            hits = _hits(f)
+            hits, count = _hits(f), f.recapture_count
             served = f(*args, **kwargs)
+            if f.recapture_count != count or f.state is not State.Compiled:
+                reasons = f.recapture_reasons[count - f.recapture_count:] if f.recapture_count > count else []
+                raise AssertionError(f"{f.__name__}: the examples were not all served by one set of graphs: "
+                                     f"example {index} re-captured: {reasons or f.fallback_reason}")
             if _hits(f) <= hits:  # answered eagerly: a refused key, or a call the graphs decline
-                why = "; ".join(f.eager_keys.values()) or f.fallback_reason or "its call ran eagerly"
+                notes = f.capture_notes
+                why = "; ".join(f.eager_keys.values()) or f.fallback_reason or (notes[-1] if notes else "it ran eagerly")
                 raise AssertionError(f"{f.__name__}: example {index} was not served by a graph: {why}")
             expected = fn(*args, **kwargs)
-            _compare(index, served, expected, rtol, atol)
-        if f.recapture_count != count or f.state is not State.Compiled:
-            raise AssertionError(
-                f"{f.__name__}: the examples were not all served by one set of graphs: "
-                f"{f.recapture_reasons[count - f.recapture_count:] if f.recapture_count > count else []}"
-            )
+            _compare(index, served, expected, rtol, atol, _agreement(f) if rtol is None and atol is None else None)
     return f
+
+
+def _agreement(f: CompiledFunction) -> Agreement | None:
+    """The agreement a function's reduced-precision graphs serve by, where one serves."""
+    lifecycle = f._lifecycle  # the helper reads what the function holds, as its own tests do
+    reduced = any(c.precision is not None for c in lifecycle.table.captures)
+    return lifecycle.target.agreement_now() if reduced else None
 
 
 def _hits(f: CompiledFunction) -> int:
     return sum(capture.hits or 0 for capture in f.captures)
 
 
-def _compare(index: int, served: Any, expected: Any, rtol: float | None, atol: float | None) -> None:
+def _compare(index: int, served: Any, expected: Any, rtol: float | None, atol: float | None,
+             agreement: Agreement | None) -> None:
     served_leaves, served_spec = trees.flatten(served)
     expected_leaves, expected_spec = trees.flatten(expected)
     if served_spec != expected_spec:
@@ -77,9 +86,19 @@ def _compare(index: int, served: Any, expected: Any, rtol: float | None, atol: f
             if got != want:
                 raise AssertionError(f"example {index}: output '{name}' is {got!r}, eager {want!r}")
             continue
+        if agreement is not None and want.is_floating_point():  # an int8 graph: by the agreement it serves by
+            short = agreement.problem(measure(name, _float64(want), _float64(got))) or \
+                rows_problem(agreement, name, _float64(want), _float64(got))
+            if short:
+                raise AssertionError(f"example {index}: {short} (by the agreement the graph serves by)")
+            continue
         tolerances = {} if rtol is None and atol is None else {"rtol": rtol or 0.0, "atol": atol or 0.0}
         try:
             torch.testing.assert_close(got, want, **tolerances)
         except AssertionError as e:
             worst = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "n/a"
             raise AssertionError(f"example {index}: output '{name}' differs from eager (worst |diff| {worst}): {e}") from None
+
+
+def _float64(t: torch.Tensor) -> Any:
+    return t.detach().cpu().to(torch.float64).numpy()

@@ -324,6 +324,21 @@ def test_trap_the_testing_helper_fails_an_example_no_graph_served(refused_first)
         assert_graph_matches_eager(scale, examples if refused_first else examples[::-1])
 
 
+def test_the_testing_helper_judges_an_int8_graph_by_its_agreement_and_says_why_a_call_recaptured():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).eval()
+    # int8 differs from eager by more than float32's tolerance, by design: judged by its agreement.
+    assert_graph_matches_eager(model, [(torch.randn(4, 8),), (torch.randn(4, 8),)], precision="int8")
+    previous = cr.config.cache_size
+    cr.config.cache_size = 1  # the second dtype evicts the first: the second pass re-captures, said so
+    try:
+        with pytest.raises(AssertionError, match=r"not all served by one set of graphs: example 0 re-captured: "
+                                                 r"\[\"input 'x' changed: float64"):
+            assert_graph_matches_eager(lambda x: x * 2, [torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float64)])
+    finally:
+        cr.config.cache_size = previous
+
+
 def test_loaded_graph_takes_lifted_numbers_and_bfloat16_outputs(tmp_path):
     f = cr.compile(lambda x, k: ((x[:k] * 2).bfloat16(), k), specialize=False)
     x = torch.arange(5.0)
