@@ -60,6 +60,8 @@ def test_trap_output_names_given_twice_are_refused_not_renamed():
     # ["a", "a"] became "a" and "a_2" in the graph, silently (found by a trial).
     with pytest.raises(ValueError, match=r"output_names: 'a' given twice: each graph output needs a name of its own"):
         cr.compile(lambda x: (x * 2, x + 1), output_names=["a", "a"])
+    with pytest.raises(TypeError, match=r"output_names: expected a list of names, got the str 'out' \(write \['out'\]\)"):
+        cr.compile(lambda x: x * 2, output_names="out")
     with pytest.raises(TypeError, match=r"output_names\[1\]: expected a non-empty str, got 3"):
         cr.compile(lambda x: (x * 2, x + 1), output_names=["a", 3])
 

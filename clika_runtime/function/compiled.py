@@ -255,6 +255,9 @@ def _target(target: Any, *, signature: tuple[TensorSpec, ...], dynamic: bool | N
     for i, spec in enumerate(signature):
         if not isinstance(spec, TensorSpec):
             raise TypeError(f"signature[{i}]: expected TensorSpec, got {type(spec).__name__}")
+    if isinstance(output_names, str):  # each character would have named an output
+        raise TypeError(f"output_names: expected a list of names, got the str {output_names!r} "
+                        f"(write [{output_names!r}])")
     names = None if output_names is None else tuple(output_names)
     _check_output_names(names)
     axes = _normalise_axes(dynamic_axes or {})
