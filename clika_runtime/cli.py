@@ -157,7 +157,9 @@ def _cache(args: argparse.Namespace) -> int:
     from clika_runtime.base.config import config
     from clika_runtime.cache import diskcache
 
-    if args.dir:
+    if args.dir is not None:
+        if not args.dir.strip():  # taken as unset, it would have meant the default cache: cleared
+            raise ValueError("--dir: an empty path; give the cache folder, or leave --dir out for the default one")
         config.cache_dir = args.dir
     root = config.cache_path()
     if root is not None and not root.exists():  # reading a cache makes none

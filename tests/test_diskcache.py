@@ -703,3 +703,9 @@ def test_trap_the_cache_command_reads_a_folder_without_making_it(action, tmp_pat
     assert cli(["cache", action, "--dir", str(absent)]) == 0
     assert not absent.exists()
     assert f"{absent}: no capture cache there" in capsys.readouterr().out
+
+
+def test_trap_the_cache_command_refuses_an_empty_dir_rather_than_clear_the_default(tmp_path, capsys):
+    # `cache clear --dir ""` cleared the default cache (an attack found it).
+    assert cli(["cache", "clear", "--dir", ""]) == 2
+    assert "--dir: an empty path" in capsys.readouterr().err

@@ -295,6 +295,8 @@ def test_trap_saving_onto_a_folder_says_so_in_one_line(pair, tmp_path):
     (a, _), _, _ = pair
     with pytest.raises(IsADirectoryError, match=rf"save: {tmp_path} is a folder: give a file path, e.g. .*model\.onnx$"):
         a.save(tmp_path)
+    with pytest.raises(IsADirectoryError, match=r"names a folder: give a file path"):
+        a.save(f"{tmp_path}/new/")  # a folder to be: it wrote a file named "new"
     assert list(tmp_path.iterdir()) == []
 
 

@@ -88,6 +88,9 @@ class ModelGraph:
         before the model, so a reader sees the old graph or the new one, whole. The graph in
         memory is not changed.
         """
+        if os.fspath(path).endswith(("/", os.sep)):  # Path() drops the slash: a file of the folder's name
+            raise IsADirectoryError(f"save: {os.fspath(path)!r} names a folder: give a file path, "
+                                    f"e.g. {Path(path) / 'model.onnx'}")
         if external_data is None:
             external_data = too_big(self._proto)
         return writing.save(self._proto, Path(path), external_data=external_data)
