@@ -856,3 +856,64 @@ def test_trap_a_model_with_a_one_element_tensor_is_captured(make):
         for _ in range(3):
             torch.testing.assert_close(f(x), model(x))
     assert sum(c.hits for c in f.captures) == 2, f.fallback_reason
+
+
+class _Scaled(torch.autograd.Function):
+    SCALE = 2.0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * _Scaled.SCALE
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * _Scaled.SCALE
+
+
+class _UsesFunction(torch.nn.Module):
+    def forward(self, x):
+        return _Scaled.apply(x)
+
+
+class _Relu(torch.nn.Module):
+    def forward(self, x):
+        return x.relu()
+
+
+def test_trap_a_forward_rewritten_on_its_class_is_followed():
+    # An FX pass then gm.recompile() writes a new forward into the GraphModule's class: the old
+    # graph was served (found by a trial); so was a forward replaced on the model's own class.
+    gm = torch.fx.symbolic_trace(_Relu().eval())
+    f = cr.compile(gm)
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        f(x)
+        for node in gm.graph.nodes:
+            if node.op == "call_method" and node.target == "relu":
+                node.target = "sigmoid"
+        gm.recompile()
+        torch.testing.assert_close(f(x), x.sigmoid())
+
+    class Local(torch.nn.Module):
+        def forward(self, x):
+            return x.relu()
+
+    g = cr.compile(Local().eval())
+    with torch.inference_mode():
+        g(x)
+        Local.forward = lambda self, x: x.tanh()
+        torch.testing.assert_close(g(x), x.tanh())
+
+
+def test_trap_a_class_the_forward_names_has_its_settings_watched():
+    # _Scaled.SCALE read inside a custom autograd.Function the forward names: changed, the old
+    # graph was served (found by a trial).
+    f = cr.compile(_UsesFunction().eval())
+    x = torch.randn(3)
+    try:
+        with torch.inference_mode():
+            f(x)
+            _Scaled.SCALE = 4.0
+            torch.testing.assert_close(f(x), x * 4.0)
+    finally:
+        _Scaled.SCALE = 2.0

@@ -1,13 +1,16 @@
 """What a target reads besides tensors, walked once per snapshot into ``Part``s.
 
-Watched: every module of the owner (its public attributes, its private ones the captures' code
+Watched: where the owner's forward is found (its class, and each fx ``GraphModule``'s: a forward
+rewritten there by ``recompile()`` or an assignment), every module of the owner (its public
+attributes, its private ones the captures' code
 names (``reads.py`` narrows every object's attributes to those), ``_modules``, ``_parameters``
 and ``_buffers``, forward hooks; the children of ``Sequential`` / ``ModuleList`` / ``ModuleDict`` on every call), the globals its
 ``forward`` names, objects those attributes hold that carry attributes of their own (configs,
 private attributes included; two levels), torch's global forward hooks and default dtype; for a
 function, its closure cells, defaults, code and the globals its code loads, a partial's
 arguments, a bound or callable object's attributes, what a compiled function found among them
-wraps (its model, its function's variables); and the modules found among all those, as
+wraps (its model, its function's variables), the settings in the bodies of the user's own
+classes a forward names (``MyFunction.SCALE`` of an autograd.Function); and the modules found among all those, as
 trees (``modules_reached``: ``weights.py`` watches their tensors); the plain values in the bodies
 of the user's own classes of those modules and objects (``LIMIT = 0.5``: not torch's or
 transformers' classes, whose state is their version's). Not watched: torch's own private
@@ -51,6 +54,7 @@ def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], "_Wa
     parts: list[Part] = []
     if owner is not None:
         parts += _module_tree(owner, "", walk)
+        parts += _class_forwards(owner)
         forward = _forward(fn, owner)
         parts += _globals(forward, walk) if forward is not None else []
     else:
@@ -98,6 +102,8 @@ def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]
             layers = list(_unwrapped(value))[1:]
             return [part for layer in layers for part in
                     (_held(layer, name, walk, depth) if isinstance(layer, torch.nn.Module) else _callable(layer, walk))]
+        if isinstance(value, type):  # a class the code names (an autograd.Function): its settings
+            return _class_bodies(value, walk)
         return _objects(value, name, walk, depth) if _carries_attributes(value) else []
     except Exception:  # a property that raises, a recursion too deep: not watched
         return []
@@ -123,6 +129,22 @@ def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
         for key in keys:
             parts += _held(state[key], f"{where}.{key}" if name else key, walk)
         parts += _class_bodies(type(module), walk)
+    return parts
+
+
+def _class_forwards(root: torch.nn.Module) -> list[Part]:
+    """Where the forward a call runs is found: in the target's class or a base before the one that
+    defines it (``Model.forward = ...``), and for each fx ``GraphModule`` in the tree, in its own
+    class (``gm.recompile()`` writes the new forward there)."""
+    parts = []
+    modules = [root, *(m for m in root.modules() if m is not root and isinstance(m, torch.fx.GraphModule))]
+    for module in modules:
+        for cls in type(module).__mro__:
+            state = vars(cls)
+            if "forward" in state:
+                parts.append(dict_part(f"{cls.__qualname__}'s", state, ["forward"], sized=False))
+                break
+            parts.append(dict_part(f"{cls.__qualname__}'s", state, [], sized=True))  # one defined there later
     return parts
 
 
