@@ -709,3 +709,16 @@ def test_trap_the_cache_command_refuses_an_empty_dir_rather_than_clear_the_defau
     # `cache clear --dir ""` cleared the default cache (an attack found it).
     assert cli(["cache", "clear", "--dir", ""]) == 2
     assert "--dir: an empty path" in capsys.readouterr().err
+
+
+def test_trap_a_target_the_fingerprint_cannot_read_is_captured_without_the_cache():
+    # A torch.jit.trace'd module's class refuses `cls.forward`: warming its fingerprint raised, and
+    # the call was reported as "a bug in clika_runtime" and served eagerly for good (a trial).
+    traced = torch.jit.trace(torch.nn.Linear(8, 4).eval(), torch.randn(3, 8))
+    f = cr.compile(traced)
+    x = torch.randn(3, 8)
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f(x)
+        torch.testing.assert_close(f(x), traced(x))
+    assert not [w for w in caught if "bug in clika_runtime" in str(w.message)], [str(w.message) for w in caught]

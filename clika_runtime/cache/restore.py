@@ -43,6 +43,10 @@ class Slot:
     key: str
 
 
+def _not_fingerprinted(target: Target, error: Exception) -> None:
+    logger.debug("disk cache: %s not fingerprinted: %s: %s", target.name, type(error).__name__, error)
+
+
 def slot_for(target: Target, plan: CapturePlan) -> Slot | None:
     """The cache slot of a plan (``None`` when the cache is off)."""
     cache = diskcache.active()
@@ -51,7 +55,7 @@ def slot_for(target: Target, plan: CapturePlan) -> Slot | None:
     try:
         function = fingerprint.function_key(target)
     except Exception as e:  # a target the fingerprint cannot read: no cache for it, never an error
-        logger.debug("disk cache: %s not fingerprinted: %s: %s", target.name, type(e).__name__, e)
+        _not_fingerprinted(target, e)
         return None
     return Slot(cache, fingerprint.capture_key(function, plan, target.place_for(plan.call.feeds).primary))
 
@@ -106,7 +110,11 @@ def ahead(target: Target, plan: CapturePlan) -> Ahead | None:
 
 
 def _ready(target: Target, plan: CapturePlan) -> Ready | None:
-    fingerprint.warm(target)  # one thread: the eager call has the other core
+    try:
+        fingerprint.warm(target)  # one thread: the eager call has the other core
+    except Exception as e:  # a target the fingerprint cannot read: no cache for it, never an error
+        _not_fingerprinted(target, e)
+        return None
     slot = slot_for(target, plan)
     if slot is None:
         return None
@@ -224,7 +232,12 @@ def remember(target: Target, knowledge: Knowledge) -> None:
         "untied": sorted(sorted([list(p) for p in pair]) for pair in knowledge.untied),
     }
     try:
-        cache.remember(fingerprint.code_key(target), data)
+        key = fingerprint.code_key(target)
+    except Exception as e:  # a target the fingerprint cannot read: nothing kept for it
+        _not_fingerprinted(target, e)
+        return
+    try:
+        cache.remember(key, data)
     except OSError as e:
         diskcache.refuse(cache.root, e)
 
@@ -243,7 +256,7 @@ def recall(target: Target) -> Knowledge | None:
     try:
         data = cache.knowledge(fingerprint.code_key(target)) if cache is not None else None
     except Exception as e:  # a target the fingerprint cannot read: no cache for it, never an error
-        logger.debug("disk cache: %s not fingerprinted: %s: %s", target.name, type(e).__name__, e)
+        _not_fingerprinted(target, e)
         return None
     if not data:
         return None
