@@ -286,8 +286,14 @@ def test_a_shipped_graph_is_quantized_against_the_inputs_given_and_judged_by_row
     with pytest.raises(cr.VerificationError, match="rows' errors"):
         fp32.quantized("int8", inputs={name: loud.numpy()})
     assert "precision" in fp32.quantized("int8", inputs={name: x.numpy()}).metadata["clika_runtime.precision"]
-    with pytest.raises(ValueError, match=rf"quantized: inputs lack \['{name}'\].*got \['y'\]"):
+    with pytest.raises(ValueError, match=rf"quantized: inputs lack \['{name}'\] and name \['y'\], which the graph "
+                                         rf"does not take: it takes \['{name}'\]"):
         fp32.quantized("int8", inputs={"y": x.numpy()})
+    with pytest.raises(ValueError, match=rf"input '{name}' is empty \(0, 64\): give a batch of data"):
+        fp32.quantized("int8", inputs={name: np.zeros((0, 64), np.float32)})  # it was kept, judged on nothing
+    with pytest.raises(ValueError, match=rf"input '{name}' is int64, the graph takes float32"):
+        fp32.quantized("int8", inputs={name: np.ones((8, 64), np.int64)})
+    fp32.quantized("int8", inputs={name: x.numpy().astype(np.float64)})  # cast within its kind
 
 
 def test_the_disk_cache_keys_precision(tmp_path):

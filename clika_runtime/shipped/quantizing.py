@@ -55,11 +55,30 @@ def quantized(model_proto: Any, agreement: Agreement, where: str, inputs: Mappin
 
 
 def _given(session: Any, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    names = [i.name for i in session.get_inputs()]
-    if sorted(names) != sorted(inputs):
-        raise ValueError(f"quantized: inputs lack {[n for n in names if n not in inputs]} or name others: "
-                         f"expected {names}, got {sorted(inputs)}")
-    return {n: np.asarray(inputs[n]) for n in names}
+    """The caller's batch as the graph takes it: every input named, none empty, each in the
+    graph's dtype (ids of int32 for an int64 graph are cast; a float for an int is refused)."""
+    ports = {i.name: _NUMPY.get(i.type) for i in session.get_inputs()}
+    missing, other = [n for n in ports if n not in inputs], sorted(n for n in inputs if n not in ports)
+    if missing or other:
+        said = [f"lack {missing}"] * bool(missing) + [f"name {other}, which the graph does not take"] * bool(other)
+        raise ValueError(f"quantized: inputs {' and '.join(said)}: it takes {list(ports)}")
+    feeds = {}
+    for name, dtype in ports.items():
+        value = np.asarray(inputs[name])
+        if value.size == 0:
+            raise ValueError(f"quantized: input '{name}' is empty {value.shape}: give a batch of data to judge the "
+                             f"int8 graph on")
+        if dtype is not None and value.dtype != dtype:
+            if np.issubdtype(value.dtype, np.integer) != np.issubdtype(dtype, np.integer):
+                raise ValueError(f"quantized: input '{name}' is {value.dtype}, the graph takes {dtype}")
+            value = value.astype(dtype)
+        feeds[name] = value
+    return feeds
+
+
+_NUMPY = {"tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
+          "tensor(float16)": np.dtype(np.float16), "tensor(int64)": np.dtype(np.int64),
+          "tensor(int32)": np.dtype(np.int32), "tensor(bool)": np.dtype(np.bool_)}
 
 
 def _generated(session: Any, where: str, seed: int) -> dict[str, np.ndarray]:
