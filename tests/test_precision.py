@@ -668,6 +668,22 @@ def test_trap_int8_checks_a_call_whose_rows_differ_in_loudness_more_than_checked
     assert counted.calls == before and not said
 
 
+def test_trap_int8_checks_quiet_frames_of_a_channels_first_input():
+    # [batch, mel bins, frames], its frames transposed into rows inside the model: quiet frames were
+    # served unchecked (row error 0.063 against 0.045 allowed) while the same data as [B, T, C] was
+    # judged (an attack on the spread's first version, which read the last axis only).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(80, 256), torch.nn.Linear(256, 64)).eval()
+    counted = Counted(lambda x: model(x.transpose(1, 2)))
+    f = cr.compile(counted, precision="int8")
+    called(f, torch.randn(2, 80, 100, generator=torch.Generator().manual_seed(1)))
+    frames = torch.randn(2, 80, 100, generator=torch.Generator().manual_seed(2))
+    frames[:, :, 25:] *= 0.003  # three frames in four quiet, the loudest as loud as before
+    before = counted.calls
+    _, said = called(f, frames)
+    assert counted.calls == before + 1 and len(said) == 1, said
+
+
 def test_trap_int8_judges_rows_by_their_error_not_by_a_one_value_cosine():
     # Found by a trial of the envelope: a (N, 1) output's row cosine is its sign, so a prediction
     # near 0 whose sign int8 flipped read -1 and closed the envelope; rows' errors are now judged

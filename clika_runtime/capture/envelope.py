@@ -23,8 +23,9 @@ from clika_runtime.trees import pytrees as trees
 
 GROWTH = 2.0  # how much wider than checked a call may be (a size, a magnitude) before it is checked
 
-# Per feed: its shape, its largest magnitude, and its spread: its loudest row's largest magnitude
-# over its quietest (rows along the last axis; all-zero rows left out: they quantize exactly).
+# Per feed: its shape, its largest magnitude, and its spread: along the axis where it is widest,
+# its loudest slice's largest magnitude over its quietest (all-zero slices left out: they quantize
+# exactly).
 Span = tuple[tuple[int, ...], float, float]
 Extent = tuple[Span, ...]
 
@@ -79,10 +80,18 @@ def _span(feed: Any) -> Span:
     shape = tuple(getattr(feed, "shape", ()))
     if len(shape) < 2 or not feed.is_floating_point() or not feed.numel():
         return shape, magnitude(feed), 1.0
-    rows = feed.abs().amax(-1)  # each row's largest magnitude (NaN where a row holds one)
-    largest = float(rows.amax())
-    quietest = float(torch.where(rows > 0, rows, largest).amin())  # all-zero rows quantize exactly
-    return shape, largest, largest / quietest if quietest > 0 else 1.0
+    loudness = feed.abs()
+    largest = float(loudness.amax())  # NaN where the feed holds one
+    return shape, largest, max(_spread(loudness, axis, largest) for axis in range(len(shape)))
+
+
+def _spread(loudness: torch.Tensor, axis: int, largest: float) -> float:
+    """How much louder the loudest slice along ``axis`` is than the quietest non-zero one (rows
+    along the last axis, a [batch, channels, frames] input's frames along its last too: any axis
+    may hold the quiet rows an activation's products are later taken over)."""
+    slices = loudness.amax([a for a in range(loudness.dim()) if a != axis])
+    quietest = float(torch.where(slices > 0, slices, largest).amin())  # all-zero slices quantize exactly
+    return largest / quietest if quietest > 0 else 1.0
 
 
 def _within(call: Span, bound: Span) -> bool:
