@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import stat
@@ -722,3 +723,25 @@ def test_trap_a_target_the_fingerprint_cannot_read_is_captured_without_the_cache
         f(x)
         torch.testing.assert_close(f(x), traced(x))
     assert not [w for w in caught if "bug in clika_runtime" in str(w.message)], [str(w.message) for w in caught]
+
+
+@dataclasses.dataclass
+class _Act:
+    mode: str
+
+
+def _activated(x, act):
+    return x.relu() if act.mode == "relu" else x
+
+
+def test_trap_the_disk_cache_keys_an_object_static_by_its_value():
+    # The cache key wrote an object static as its class alone: a function called with
+    # _Act("identity") found _Act("relu")'s graph, which agreed with eager on the capturing call's
+    # positive input and then served relu (found by an attack).
+    positive, mixed = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-1.0, 2.0, -3.0])
+    with torch.no_grad():
+        cr.compile(_activated)(positive, _Act("relu"))
+        other = cr.compile(_activated)
+        other(positive, _Act("identity"))
+        assert "export" in other.captures[0].phases  # its own graph, not the relu one
+        torch.testing.assert_close(other(mixed, _Act("identity")), mixed)

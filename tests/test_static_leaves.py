@@ -112,10 +112,11 @@ class _Mode(str):
 
 
 class _Slotted:
-    __slots__ = ("k",)
+    __slots__ = ("k", "__hidden")  # a private slot is stored under its mangled name
 
     def __init__(self, k: float) -> None:
-        self.k = k
+        self.k = "the same for every value"
+        self.__hidden = k
 
 
 def _times(x, k):
@@ -136,7 +137,7 @@ def test_trap_statics_whose_value_is_not_in_their_dict_key_by_their_value(make):
         if isinstance(s, functools.partial):
             return s(x)
         if isinstance(s, _Slotted):
-            return x * s.k
+            return x * s._Slotted__hidden
         return x * (len(s) if isinstance(s, str) else s)
 
     f = cr.compile(fn)

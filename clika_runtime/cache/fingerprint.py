@@ -469,12 +469,17 @@ def _code_object(code: types.CodeType) -> str:
 
 
 def _statics(statics: Iterable[Any]) -> str:
-    """Static values as stable text (code by its qualified name, not its address)."""
-    parts = []
-    for static in statics:
-        value = static[1] if isinstance(static, tuple) and len(static) > 1 else static
-        if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
-            parts.append(f"code {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}")
-        else:
-            parts.append(repr(static))
-    return "|".join(parts)
+    """Static values as stable text, whole (an object's by its fields' values: its class alone let
+    ``Act("identity")`` find ``Act("relu")``'s graph), code by its qualified name and its bytecode's
+    digest, not its address."""
+    return "|".join(map(_stable, statics))
+
+
+def _stable(value: Any) -> str:
+    if isinstance(value, tuple):  # a static's form (key.static_value): nested tuples to its leaves
+        return "(" + ",".join(map(_stable, value)) + ")"
+    if isinstance(value, types.FunctionType):
+        return f"code {value.__module__}.{_function(value)}"
+    if isinstance(value, (types.BuiltinFunctionType, types.MethodType, types.ModuleType, type)):
+        return f"code {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', getattr(value, '__name__', ''))}"
+    return repr(value)

@@ -154,6 +154,8 @@ def _by_value(value: Any, depth: int) -> Hashable:
         raise Unkeyable(f"a {kind.__name__} nested too deep to compare by value")
     if isinstance(value, (_Tensor, torch.nn.Module)):
         raise Unkeyable(f"an object holding a {kind.__name__}, whose value cannot key a capture")
+    if isinstance(value, _NUMPY_SCALARS):  # np.float32(0.7) inside a config: a number, as at the top
+        return (kind, _by_value(value.item(), depth - 1))
     base = next((b for b in _VALUE_BASES if isinstance(value, b)), None)
     if base is not None:  # Scale(5.0): its number is its base's, not in its attributes
         return (kind, _by_value(_VALUE_BASES[base](value), depth - 1), _attributes(value, kind, depth, empty_ok=True))
@@ -182,7 +184,9 @@ def _attributes(value: Any, kind: type, depth: int, empty_ok: bool = False) -> t
 
 def _slot_names(cls: type) -> tuple[str, ...]:
     slots = cls.__dict__.get("__slots__", ())
-    return (slots,) if isinstance(slots, str) else tuple(slots)
+    names = (slots,) if isinstance(slots, str) else tuple(slots)
+    # ``__x`` in a class body is stored as ``_Class__x``: read under its own name, it reads as unset
+    return tuple(f"_{cls.__name__.lstrip('_')}{n}" if n.startswith("__") and not n.endswith("__") else n for n in names)
 
 
 def _capped(items: Any, kind: type) -> list:
@@ -357,7 +361,10 @@ def _words(static: Any) -> str:
         return "nan" if rest[0] == _NAN else repr(rest[0])
     if isinstance(kind, type) and issubclass(kind, _NUMPY_SCALARS):
         return f"np.{kind.__name__}({_words(rest[0])})"
-    if not isinstance(kind, type) or kind in _PLAIN or issubclass(kind, (enum.Enum, *_BY_IDENTITY)):
+    if isinstance(kind, type) and issubclass(kind, _BY_IDENTITY):  # by name: its address differs per process
+        value = rest[0]
+        return f"{getattr(value, '__module__', None) or ''}.{getattr(value, '__qualname__', getattr(value, '__name__', ''))}"
+    if not isinstance(kind, type) or kind in _PLAIN or issubclass(kind, enum.Enum):
         return repr(rest[0])
     if issubclass(kind, tuple(_VALUE_BASES)):  # Scale(5.0)
         return f"{kind.__name__}({_words(rest[0])}{_fields(rest[1])})"
