@@ -86,8 +86,9 @@ def widen_indices(model: ir.Model) -> None:
 def wrapping_sums(model: ir.Model) -> None:
     """Sum int32 in int64 and cast back: onnxruntime's int32 ``ReduceSum`` saturates at 2**31 - 1
     where torch's wraps around (``x.sum(dtype=torch.int32)``); a cast to int32 wraps, and int64
-    holds any sum of fewer than 2**32 int32 values exactly."""
-    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+    holds any sum of fewer than 2**32 int32 values exactly. The main graph's sums only: rewritten
+    inside an ``If``'s branch, the graph broke onnxruntime's single assignment (a sum there saturates)."""
+    for node in list(model.graph):
         if node.op_type != "ReduceSum" or node.domain != "" or node.inputs[0].dtype != ir.DataType.INT32:
             continue
         data, out, graph = node.inputs[0], node.outputs[0], node.graph

@@ -104,3 +104,17 @@ def test_trap_an_int32_sum_wraps_as_in_torch(reduce):
                   torch.tensor([[2**31 - 1, 1, 5, -3]], dtype=torch.int32)):
             assert torch.equal(f(x), reduce(x)), (f(x), reduce(x))
     assert sum(c.hits for c in f.captures) == 3
+
+
+def test_an_int32_sum_inside_a_branch_is_still_served():
+    # The int64 rewrite of a sum inside torch.cond's branch made a graph onnxruntime refused
+    # ("single static assignment"), where it had served before (an attack on the rewrite).
+    def branched(x):
+        return torch.cond(x.sum() > 0, lambda t: t.sum(dtype=torch.int32) + 1, lambda t: t.sum(dtype=torch.int32) - 1, (x,))
+
+    f = cr.compile(branched)
+    x = torch.tensor([1, 2, 3], dtype=torch.int32)
+    with torch.inference_mode():
+        f(x)
+        assert torch.equal(f(x), branched(x))
+    assert sum(c.hits for c in f.captures) == 1
