@@ -300,6 +300,18 @@ def test_trap_saving_onto_a_folder_says_so_in_one_line(pair, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_digest_record_a_tool_kept_under_another_key_loads_as_a_file_without_one(saved, tmp_path):
+    # Refusing any record under another key refused files whose metadata a tool renamed or kept
+    # as provenance (an attack on the first fix): only our key with one bit flipped is damage.
+    inline, _ = saved
+    model = onnx.load_model(str(inline))
+    for entry in model.metadata_props:
+        if entry.key == META_DIGEST:
+            entry.key = "parent.digest"
+    onnx.save_model(model, str(tmp_path / "kept.onnx"))
+    cr.load(tmp_path / "kept.onnx")
+
+
 def test_a_loaded_graph_holds_no_digest_a_change_would_make_stale(saved, tmp_path):
     # The digest is the file's: a loaded graph's model_proto kept it, so quantized() of it, or
     # onnx.save after an edit, carried a digest of the old content (refused as corrupt).

@@ -165,6 +165,12 @@ def _shown(digest: str) -> str:
     return f"{ALGORITHM} {digest[:_SHOWN]}..."
 
 
+def _one_bit_from(key: bytes, ours: bytes) -> bool:
+    """Whether ``key`` is ``ours`` with one bit flipped (a record a tool copied or renamed on
+    purpose, ``parent.digest``, is another key: it loads as a file without a digest)."""
+    return len(key) == len(ours) and sum(bin(a ^ b).count("1") for a, b in zip(key, ours)) == 1
+
+
 def _is_hex(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
@@ -222,7 +228,7 @@ class _Walk:
     def _is_digest(self, start: int, end: int) -> bool:
         key, value = entry(self.data, start, end)
         if key != META_DIGEST.encode():
-            if value.startswith(_RECORD_START):  # our record under another key: the key was damaged
+            if _one_bit_from(key, META_DIGEST.encode()) and value.startswith(_RECORD_START):  # our key, damaged
                 self.damaged_key = key.decode("utf-8", "replace")[:60]
             return False
         if self.recorded is not None:
