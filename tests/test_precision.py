@@ -214,7 +214,8 @@ def test_bad_precisions_are_refused_in_one_line():
     ("cache_max_bytes", None, "a number of bytes >= 0"),
     ("progress", "yes", "True, False or 'auto'"),
     ("cache_dir", 3, "a path, 'auto' or None"),
-    ("tolerances", {"float32": 1e-4}, "a dict of dtype name -> (rtol, atol)"),
+    ("tolerances", {"float32": 1e-4}, "a dict of dtype name -> (rtol, atol), finite"),
+    ("tolerances", {"float32": (1e-4, math.inf)}, "a dict of dtype name -> (rtol, atol), finite"),
 ])
 def test_trap_a_config_value_of_the_wrong_kind_is_refused_when_set(name, value, expected):
     # cr.config.agreement = 0.99 was taken, then every int8 capture failed with

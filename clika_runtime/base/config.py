@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import sys
@@ -106,8 +107,8 @@ def _bound(value: object) -> bool:  # a count that may be unbounded (math.inf) o
 
 
 def _tolerances(value: object) -> bool:
-    def pair(p: object) -> bool:
-        return isinstance(p, (tuple, list)) and len(p) == 2 and all(_bound(t) for t in p)
+    def pair(p: object) -> bool:  # finite: an infinite tolerance would turn verification off
+        return isinstance(p, (tuple, list)) and len(p) == 2 and all(_bound(t) and math.isfinite(t) for t in p)
 
     return isinstance(value, dict) and all(isinstance(k, str) and pair(p) for k, p in value.items())
 
@@ -118,7 +119,7 @@ _CHECKS = {
     "recapture_limit": (_bound, "a number >= 0 (math.inf: no limit)", numbers.Real),
     "intra_op_threads": (lambda v: v is None or _count(0)(v), "None or an int >= 0 (0, None: torch's thread count)",
                          (numbers.Integral, type(None))),
-    "tolerances": (_tolerances, "a dict of dtype name -> (rtol, atol)", dict),
+    "tolerances": (_tolerances, "a dict of dtype name -> (rtol, atol), finite", dict),
     "agreement": (lambda v: isinstance(v, Agreement), "clika_runtime.Agreement", Agreement),
     "cache_dir": (lambda v: v is None or isinstance(v, (str, os.PathLike)), "a path, 'auto' or None",
                   (str, os.PathLike, type(None))),
