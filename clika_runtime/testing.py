@@ -55,8 +55,8 @@ def assert_graph_matches_eager(
                 raise AssertionError(f"{f.__name__}: the examples were not all served by one set of graphs: "
                                      f"example {index} re-captured: {reasons or f.fallback_reason}")
             if _hits(f) <= hits:  # answered eagerly: a refused key, or a call the graphs decline
-                notes = f.capture_notes
-                why = "; ".join(f.eager_keys.values()) or f.fallback_reason or (notes[-1] if notes else "it ran eagerly")
+                notes = f.capture_notes or ["it ran eagerly"]
+                why = "; ".join(f.eager_keys.values()) or f.fallback_reason or notes[-1]
                 raise AssertionError(f"{f.__name__}: example {index} was not served by a graph: {why}")
             expected = fn(*args, **kwargs)
             _compare(index, served, expected, rtol, atol, _agreement(f) if rtol is None and atol is None else None)

@@ -31,3 +31,10 @@ def body_values(cls: type) -> list[str]:
 def library_package(package: str) -> bool:
     """Whether the top-level package ``package`` is one of ``LIBRARIES`` or Python's own."""
     return package in _VERSIONED or package in sys.stdlib_module_names
+
+
+def code_name(code: Any) -> str:
+    """A function's, class's or module's name where it is defined (``package.module.Class.method``):
+    the same in every process, where its address is not."""
+    qualname = getattr(code, "__qualname__", None) or getattr(code, "__name__", "")
+    return f"{getattr(code, '__module__', None) or ''}.{qualname}"

@@ -32,7 +32,7 @@ import torch
 
 import exporters
 import serving
-from clika_runtime.base.libraries import LIBRARIES, body_values, library_package, ours
+from clika_runtime.base.libraries import LIBRARIES, body_values, code_name, library_package, ours
 from clika_runtime.base.precision import FP32
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.base.version import VERSION
@@ -481,5 +481,5 @@ def _stable(value: Any) -> str:
     if isinstance(value, types.FunctionType):
         return f"code {value.__module__}.{_function(value)}"
     if isinstance(value, (types.BuiltinFunctionType, types.MethodType, types.ModuleType, type)):
-        return f"code {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', getattr(value, '__name__', ''))}"
+        return f"code {code_name(value)}"
     return repr(value)

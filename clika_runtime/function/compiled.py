@@ -150,11 +150,9 @@ class CompiledFunction(Copies, Generic[P, R]):
 
     @property
     def state(self) -> State:
-        """``State.Pending``, ``State.Compiled`` or ``State.Fallback`` (see ``State``). With no
-        capture held, never ``Compiled``: ``Fallback`` where the keys seen so far serve eagerly
-        (their captures failed; ``eager_keys`` says why), though a call with a new key may still
-        capture; else ``Pending``, the next call captures (after changed weights dropped the
-        captures, or once weights that kept changing past the re-capture limit hold still)."""
+        """``State.Pending``, ``State.Compiled`` or ``State.Fallback`` (see ``State``); with no
+        capture held, ``Fallback`` where every key seen was refused (``eager_keys``: a new key may
+        still capture), else ``Pending`` (the next call that can captures)."""
         table = self._lifecycle.table
         if table.state is not State.Fallback and not table.entries:
             return State.Fallback if table.refused else State.Pending
@@ -229,10 +227,8 @@ class CompiledFunction(Copies, Generic[P, R]):
             current = table.to_ship()
             if table.state is not _COMPILED or current is None:
                 state = self.state
-                raise StateError(
-                    f"take_graph() needs State.Compiled, but the function is in {state}: "
-                    + ("call it once to capture a graph" if state is State.Pending else "call reset() and capture again")
-                )
+                fix = "call it once to capture a graph" if state is State.Pending else "call reset() and capture again"
+                raise StateError(f"take_graph() needs State.Compiled, but the function is in {state}: {fix}")
             graph = current.graph()
             self._lifecycle.swap(fallen_back(table, "graph taken by take_graph(); serving eagerly until reset()"))
             return graph

@@ -20,6 +20,8 @@ from typing import Any, Callable, Hashable, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from clika_runtime.base.libraries import code_name
+
 _Tensor = torch.Tensor
 _PLAIN_TENSORS = (torch.nn.Parameter,)  # subclasses that compute as plain tensors do
 
@@ -362,8 +364,7 @@ def _words(static: Any) -> str:
     if isinstance(kind, type) and issubclass(kind, _NUMPY_SCALARS):
         return f"np.{kind.__name__}({_words(rest[0])})"
     if isinstance(kind, type) and issubclass(kind, _BY_IDENTITY):  # by name: its address differs per process
-        value = rest[0]
-        return f"{getattr(value, '__module__', None) or ''}.{getattr(value, '__qualname__', getattr(value, '__name__', ''))}"
+        return code_name(rest[0])
     if not isinstance(kind, type) or kind in _PLAIN or issubclass(kind, enum.Enum):
         return repr(rest[0])
     if issubclass(kind, tuple(_VALUE_BASES)):  # Scale(5.0)
