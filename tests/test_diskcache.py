@@ -745,3 +745,31 @@ def test_trap_the_disk_cache_keys_an_object_static_by_its_value():
         other(positive, _Act("identity"))
         assert "export" in other.captures[0].phases  # its own graph, not the relu one
         torch.testing.assert_close(other(mixed, _Act("identity")), mixed)
+
+
+_BOUND = textwrap.dedent("""
+    import sys, torch, clika_runtime as cr
+    class Scaler:
+        def __init__(self, k): self.k = k
+        def apply(self, x): return x * self.k
+    def add_one(x, op): return op(x) + 1
+    f = cr.compile(add_one)
+    scaler = Scaler(float(sys.argv[1]))  # not a global plain value: the key would hold it
+    with torch.no_grad():
+        f(torch.zeros(3), scaler.apply)  # both processes agree here: 1.0
+        print(f(torch.ones(3), scaler.apply).tolist())
+""")
+
+
+@pytest.mark.slow
+def test_trap_a_bound_method_static_never_finds_another_processs_graph(tmp_path):
+    # Its disk key named the method alone: a process with Scaler(3.0).apply was served the graph
+    # of Scaler(2.0).apply (3.0 where eager gives 4.0: found by an attack on this stop's key).
+    env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    answers = []
+    for k in ("2", "3"):
+        result = subprocess.run([sys.executable, "-c", _BOUND, k], capture_output=True, text=True, timeout=300,
+                                env=env, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        answers.append(result.stdout.strip())
+    assert answers == ["[3.0, 3.0, 3.0]", "[4.0, 4.0, 4.0]"], answers

@@ -468,6 +468,9 @@ def _code_object(code: types.CodeType) -> str:
     return digest.hexdigest()[:24]
 
 
+_PLAIN_GLOBALS = (bool, int, float, str, bytes, type(None))
+
+
 def _statics(statics: Iterable[Any]) -> str:
     """Static values as stable text, whole (an object's by its fields' values: its class alone let
     ``Act("identity")`` find ``Act("relu")``'s graph), code by its qualified name and its bytecode's
@@ -478,8 +481,24 @@ def _statics(statics: Iterable[Any]) -> str:
 def _stable(value: Any) -> str:
     if isinstance(value, tuple):  # a static's form (key.static_value): nested tuples to its leaves
         return "(" + ",".join(map(_stable, value)) + ")"
-    if isinstance(value, types.FunctionType):
-        return f"code {value.__module__}.{_function(value)}"
-    if isinstance(value, (types.BuiltinFunctionType, types.MethodType, types.ModuleType, type)):
-        return f"code {code_name(value)}"
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type)):
+        return _code_static(value)
     return repr(value)
+
+
+def _code_static(code: Any) -> str:
+    """Code passed as a static argument, keyed in memory by identity. Its name and bytecode say
+    what it computes only where it holds no state: a module-level function without closure or
+    defaults (with the plain globals it names), a module-level class, a builtin not bound to an
+    object. A method bound to an object (``Scaler(2.0).apply``: named alike for ``Scaler(3.0)``, it
+    was served the other's graph), a closure, a local class key this process's object alone."""
+    self = getattr(code, "__self__", None)
+    bound = isinstance(code, (types.MethodType, types.BuiltinMethodType)) and \
+        not isinstance(self, (types.ModuleType, type(None)))
+    state = any(getattr(code, name, None) for name in ("__closure__", "__defaults__", "__kwdefaults__"))
+    if bound or state or "<locals>" in getattr(code, "__qualname__", ""):
+        return f"code {code_name(code)} of process {os.getpid()} at {id(self if bound else code):x}"
+    if isinstance(code, types.FunctionType):
+        names = sorted(n for n in global_names(code.__code__) if isinstance(code.__globals__.get(n), _PLAIN_GLOBALS))
+        return f"code {code.__module__}.{_function(code)}({','.join(f'{n}={code.__globals__[n]!r}' for n in names)})"
+    return f"code {code_name(code)}"
