@@ -86,9 +86,10 @@ def _span(feed: Any) -> Span:
 
 
 def _spread(loudness: torch.Tensor, axis: int, largest: float) -> float:
-    """How much louder the loudest slice along ``axis`` is than the quietest non-zero one (rows
-    along the last axis, a [batch, channels, frames] input's frames along its last too: any axis
-    may hold the quiet rows an activation's products are later taken over)."""
+    """How much louder the loudest slice along ``axis`` is than the quietest non-zero one. Every
+    axis is read: a [batch, tokens, features] input's quiet tokens are slices along axis 1, a
+    [batch, channels, frames] input's quiet frames along axis 2, and either becomes the rows of a
+    product inside the model."""
     slices = loudness.amax([a for a in range(loudness.dim()) if a != axis])
     quietest = float(torch.where(slices > 0, slices, largest).amin())  # all-zero slices quantize exactly
     return largest / quietest if quietest > 0 else 1.0
