@@ -247,15 +247,11 @@ class Described(NamedTuple):
         key = self.key
         parts = [f"{name}: {str(dtype).replace('torch.', '')} on {device}"
                  for name, (dtype, _, device, *_) in zip(self.tensor_names, key.tensors)]
-        parts += [f"{name}={_static_text(static)}" for name, static in zip(self.static_names, key.statics)
+        parts += [f"{name}={_value(static)}" for name, static in zip(self.static_names, key.statics)
                   if not isinstance(static, Lifted)]
         if key.training is not None:
             parts.append("training" if key.training else "eval")
         return ", ".join(parts)
-
-
-def _static_text(static: Any) -> str:
-    return _shortened(_words(static))
 
 
 def distance(a: CallKey, b: CallKey) -> int:
