@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from clika_runtime.base.precision import Agreement, measure, rows_problem
+from clika_runtime.base.precision import Agreement, shortfall
 from clika_runtime.function.compiled import CompiledFunction, State
 from clika_runtime.trees import pytrees as trees
 
@@ -87,8 +87,7 @@ def _compare(index: int, served: Any, expected: Any, rtol: float | None, atol: f
                 raise AssertionError(f"example {index}: output '{name}' is {got!r}, eager {want!r}")
             continue
         if agreement is not None and want.is_floating_point():  # an int8 graph: by the agreement it serves by
-            short = agreement.problem(measure(name, _float64(want), _float64(got))) or \
-                rows_problem(agreement, name, _float64(want), _float64(got))
+            short = shortfall(agreement, name, _float64(want), _float64(got))
             if short:
                 raise AssertionError(f"example {index}: {short} (by the agreement the graph serves by)")
             continue

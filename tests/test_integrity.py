@@ -300,16 +300,21 @@ def test_trap_saving_onto_a_folder_says_so_in_one_line(pair, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_digest_record_a_tool_kept_under_another_key_loads_as_a_file_without_one(saved, tmp_path):
+def test_a_digest_record_a_tool_kept_under_another_key_loads_as_a_file_without_one(pair, saved, tmp_path, caplog):
     # Refusing any record under another key refused files whose metadata a tool renamed or kept
     # as provenance (an attack on the first fix): only our key with one bit flipped is damage.
+    _, x, (want, _) = pair
     inline, _ = saved
     model = onnx.load_model(str(inline))
     for entry in model.metadata_props:
         if entry.key == META_DIGEST:
             entry.key = "parent.digest"
-    onnx.save_model(model, str(tmp_path / "kept.onnx"))
-    cr.load(tmp_path / "kept.onnx")
+    kept = tmp_path / "kept.onnx"
+    onnx.save_model(model, str(kept))
+    with caplog.at_level(logging.INFO, logger="clika_runtime"):
+        np.testing.assert_allclose(cr.load(kept)(x), want, rtol=1e-4, atol=1e-5)
+    assert any("carries no content digest" in r.getMessage() and str(kept) in r.getMessage() for r in caplog.records)
+    assert cli(["validate", str(kept)]) == 0
 
 
 def test_a_loaded_graph_holds_no_digest_a_change_would_make_stale(saved, tmp_path):

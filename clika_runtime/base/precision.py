@@ -254,6 +254,11 @@ def rows_problem(agreement: Agreement, name: str, reference: Any, got: Any) -> s
     return None
 
 
+def shortfall(agreement: Agreement, name: str, reference: Any, got: Any) -> str | None:
+    """Why one output falls short of ``agreement``, judged as a capture is: whole, then by rows."""
+    return agreement.problem(measure(name, reference, got)) or rows_problem(agreement, name, reference, got)
+
+
 def judged(agreement: Agreement, names: Sequence[str], reference: Sequence[Any], got: Sequence[Any]) -> tuple[list[Measured], str | None]:
     """Each output measured, and the first shortfall in words (``None``: the graph agrees)."""
     measured = [measure(n, r, g) for n, r, g in zip(names, reference, got)]

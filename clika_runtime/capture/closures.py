@@ -134,8 +134,8 @@ def _run(parts: Parts, stats: Stats) -> Callable[[Sequence[Any]], Any]:
 def _reduced(run: Callable[[Sequence[Any]], Any], envelope: Envelope) -> Callable[[Sequence[Any]], Any]:
     """``run`` for an int8 graph, raising ``Eagerly`` for feeds holding NaN or an infinity
     (``base.precision.non_finite``) and for feeds wider than those it was checked on
-    (``envelope``: with the graph's answer to judge while the envelope is open). A few reductions
-    per float feed for both (each row's largest magnitude, their largest and quietest)."""
+    (``envelope``: with the graph's answer to judge while the envelope is open). Both read
+    ``extent``: a reduction per axis of each float feed (its loudness along that axis)."""
 
     def checked(feeds: Sequence[Any]) -> Any:
         spans = extent(feeds)

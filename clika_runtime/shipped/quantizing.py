@@ -57,7 +57,7 @@ def quantized(model_proto: Any, agreement: Agreement, where: str, inputs: Mappin
 def _given(session: Any, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """The caller's batch as the graph takes it: every input named, none empty, each in the
     graph's dtype (ids of int32 for an int64 graph are cast; a float for an int is refused)."""
-    ports = {i.name: _NUMPY.get(i.type) for i in session.get_inputs()}
+    ports = {i.name: _numpy_dtype(i.type) for i in session.get_inputs()}
     missing, other = [n for n in ports if n not in inputs], sorted(n for n in inputs if n not in ports)
     if missing or other:
         said = [f"lack {missing}"] * bool(missing) + [f"name {other}, which the graph does not take"] * bool(other)
@@ -76,9 +76,10 @@ def _given(session: Any, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return feeds
 
 
-_NUMPY = {"tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
-          "tensor(float16)": np.dtype(np.float16), "tensor(int64)": np.dtype(np.int64),
-          "tensor(int32)": np.dtype(np.int32), "tensor(bool)": np.dtype(np.bool_)}
+def _numpy_dtype(ort_type: str) -> np.dtype | None:
+    """The numpy dtype of an onnxruntime type string (``None`` where numpy has none: bfloat16)."""
+    name = serving.DTYPE_NAMES.get(ort_type)
+    return np.dtype(name) if name is not None and name != "bfloat16" else None
 
 
 def _generated(session: Any, where: str, seed: int) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ import numpy as np
 
 import serving
 from clika_runtime.base.errors import GraphFileError, GraphInputError, PlaceError, first_line
-from clika_runtime.base.precision import Record, measure, rows_problem
+from clika_runtime.base.precision import Record, shortfall
 from clika_runtime.format import digest, graphfile
 from clika_runtime.format.graphfile import existing
 from clika_runtime.guards.guard import Guard
@@ -402,8 +402,7 @@ def _compare_reference(session: Any, data: Mapping[str, np.ndarray], reference: 
         if expected.shape != np.shape(out):
             return False, f"output '{meta.name}': shape {list(np.shape(out))}, reference {list(expected.shape)}"
         if record is not None:
-            short = (record.agreement.problem(measure(meta.name, expected, out))
-                     or rows_problem(record.agreement, meta.name, expected, out))
+            short = shortfall(record.agreement, meta.name, expected, out)
             if short:
                 return False, f"{short} (by the {record.precision} graph's recorded agreement, not rtol/atol)"
         elif not np.allclose(out, expected, rtol=rtol, atol=atol, equal_nan=True):
