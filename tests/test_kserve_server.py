@@ -373,6 +373,7 @@ def _start_serve(path: Path, port: int, mark: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "clika_runtime", "serve", str(path), "--name", "stop", "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env[_MARK] = env["RAY_TMPDIR"] = mark
+    env["PYTHONFAULTHANDLER"] = "1"  # a server that hangs says where, on SIGABRT
     # Its own process group, so that a Ctrl-C can be sent as a terminal sends it: to the whole group.
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -411,7 +412,10 @@ def _stop_and_check(process: subprocess.Popen, mark: str, send) -> None:
     try:
         code = process.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        pytest.fail("clika-runtime serve did not exit within 60 s of the signal")
+        process.send_signal(signal.SIGABRT)  # faulthandler prints where each thread stands
+        process.wait(timeout=30)
+        pytest.fail("clika-runtime serve did not exit within 60 s of the signal; where it stood: "
+                    f"{process.stderr.read().decode(errors='replace')[-6000:]}")
     took = time.monotonic() - started
     stderr = process.stderr.read().decode(errors="replace")
     left = _marked(mark)

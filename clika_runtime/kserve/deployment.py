@@ -36,6 +36,7 @@ _MIB = 2**20
 _DRAIN_S = 3.0  # how long a stopping replica lets the requests it is running finish
 _SHUTDOWN_S = _DRAIN_S + 2.0  # how long Serve has to stop its replicas and proxy before Ray is shut down anyway
 _REAP_S = 0.5  # how long what Ray started has to exit once Ray is shut down, then after a SIGTERM, before a SIGKILL
+_STOP_S = 8.0  # how long a stop may take, Serve's drain and the reaping included, before it is cut short
 _PORT_WAIT_S = 5.0  # how long a port in use may take to be freed (a server still stopping there) before we give up
 
 
@@ -245,7 +246,8 @@ def run(
     Joins the Ray cluster named by ``RAY_ADDRESS``; without it, starts a local Ray of its own (never
     one that someone else started on this machine). A stop at any moment, starting included, removes
     the application and shuts down Serve and Ray when it started them, within a few seconds, leaving
-    no process behind; the function then returns normally.
+    no process behind; the function then returns normally. A stop not over 8 s after its signal
+    ends the process (exit code 0) once every process the server started is killed.
     """
     _require(request_timeout_s is None or request_timeout_s > 0,
              f"request_timeout_s must be > 0 (or None: no limit), got {request_timeout_s}")
@@ -255,7 +257,7 @@ def run(
     )
     name = _model_name(path, name)
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    stop = stopping.Stop()
+    stop = stopping.Stop(deadline_s=_STOP_S)
     deployed = False
     with stopping.adopting_orphans() as before:
         try:
@@ -267,6 +269,7 @@ def run(
             except RuntimeError as e:  # Ray's words for a replica that failed to start; its error is logged above
                 raise ServeError(f"model {name!r} did not start: {e} "
                                  "(the replica's error is in the log above)") from None
+            stop.check()
             print(f"serving model {name!r} at http://{host}:{port}/v2/models/{name}: "
                   f"{handle.describe.remote().result()}", flush=True)
             stop.wait()
@@ -289,7 +292,9 @@ def _start(stop: stopping.Stop, joined: bool, http: dict[str, Any]) -> None:
     with stopping.ray_keeps_our_handlers():
         ray.init(address=None if joined else "local")
     stop.install()  # again: the core worker's C handler, if Ray installed one anyway
+    stop.check()
     serve.start(http_options=http)
+    stop.check()
 
 
 def _wait_for_port(host: str, port: int, timeout_s: float) -> None:

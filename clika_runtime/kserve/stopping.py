@@ -1,21 +1,30 @@
 """How ``clika-runtime serve`` stops at any moment: signals, and every process its Ray started gone.
 
-SIGINT and SIGTERM become a ``KeyboardInterrupt`` in the main thread, from before Ray starts. The
-processes the server's Ray started are found down its process tree. A stop while Ray starts kills
-daemons that are still starting children of their own (the dashboard's forkserver, the raylet's
-agents), and an orphan is re-parented to init, out of that tree, so the server makes itself their
-child subreaper first (Linux): orphans come to it instead. Not by their environment: the agents
-and the dashboard's modules rename themselves (setproctitle), which overwrites it.
+SIGINT and SIGTERM become a ``KeyboardInterrupt`` in the main thread, from before Ray starts, and
+set a flag that the startup steps and the wait read: code that swallows the interrupt (an exception
+raised in a ``__del__``, or in a callback run from C, is printed and dropped) cannot turn a stop
+into a server that runs on. Once a stop came, a deadline bounds it: a shutdown stuck anywhere is
+cut short, where it stood printed, and what it started killed.
+
+The processes the server's Ray started are found down its process tree. A stop while Ray starts
+kills daemons that are still starting children of their own (the dashboard's forkserver, the
+raylet's agents), and an orphan is re-parented to init, out of that tree, so the server makes
+itself their child subreaper first (Linux): orphans come to it instead. Not by their environment:
+the agents and the dashboard's modules rename themselves (setproctitle), which overwrites it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
+import time
 from typing import Any, Iterator, NoReturn
 
 logger = logging.getLogger("clika_runtime")
@@ -25,30 +34,115 @@ _ROUNDS = 3  # reaping rounds: a process killed while it forked leaves a child t
 
 
 class Stop:
-    """SIGINT and SIGTERM as ``Stopped`` (a ``KeyboardInterrupt``) in the main thread, then ignored while stopping."""
+    """SIGINT and SIGTERM as ``Stopped`` (a ``KeyboardInterrupt``) in the main thread, then ignored while stopping.
+
+    With ``deadline_s``, a stop also starts a clock the moment it arrives: a stop not over within
+    ``deadline_s`` (until ``restore()``) ends the process with exit code 0, after killing every
+    process started since this ``Stop`` was made."""
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, deadline_s: float | None = None) -> None:
         self._previous = {s: signal.getsignal(s) for s in self._SIGNALS}
+        self._deadline_s = deadline_s
+        self._spare = set(_descendants()) if deadline_s is not None else set()
+        self._clock: threading.Timer | None = None
+        self._lock = threading.Lock()
+        self._over = False
+        self._hearing: tuple[int, socket.socket] | None = None
+        self._unraisable = sys.unraisablehook
+        self.requested = False
 
     def install(self) -> None:
         for s in self._SIGNALS:
-            signal.signal(s, _interrupt)
+            signal.signal(s, self._interrupt)
+        sys.unraisablehook = self._drop_stops
+        if self._deadline_s is not None and self._hearing is None:
+            self._hear()
 
     def ignore(self) -> None:
         for s in self._SIGNALS:
             signal.signal(s, signal.SIG_IGN)
 
     def restore(self) -> None:
+        with self._lock:  # the listening thread starts no clock once this holds
+            self._over = True
+            if self._clock is not None:
+                self._clock.cancel()
+        if self._hearing is not None:
+            previous, writer = self._hearing
+            signal.set_wakeup_fd(previous)
+            writer.close()  # the listening thread reads the end of its stream and returns
+            self._hearing = None
         for s, handler in self._previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        sys.unraisablehook = self._unraisable
 
-    @staticmethod
-    def wait() -> None:
-        """Block until a signal interrupts."""
-        while True:
-            signal.pause()
+    def check(self) -> None:
+        """Raise ``Stopped`` if a stop came, even one that code in between swallowed."""
+        if self.requested:
+            raise Stopped
+
+    def wait(self) -> None:
+        """Block until a stop comes; return never, raise ``Stopped``."""
+        while not self.requested:
+            time.sleep(0.5)  # a signal cuts the sleep short; the bound covers a swallowed stop
+        raise Stopped
+
+    def _interrupt(self, signum: int, frame: Any) -> NoReturn:
+        self.requested = True
+        if self._hearing is not None:  # heard already, unless something replaced the wakeup fd
+            with contextlib.suppress(OSError):
+                self._hearing[1].send(bytes([signum]))
+        raise Stopped
+
+    def _drop_stops(self, unraisable: Any) -> None:
+        """Say nothing of a stop dropped on its way (Python prints an exception raised in an
+        at-fork hook, a ``__del__`` or a callback from C, then drops it): the flag carries it."""
+        if not isinstance(unraisable.exc_value, Stopped):
+            self._unraisable(unraisable)
+
+    def _hear(self) -> None:
+        """Hear a stop the moment it arrives, from a thread of its own that starts the clock:
+        ``_interrupt`` runs only once the main thread is back in Python code, and ``ray.init``
+        waits in C for seconds."""
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)  # as set_wakeup_fd requires: a full buffer drops bytes, never blocks
+        self._hearing = (signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False), writer)
+        threading.Thread(target=self._listen, args=(reader,), name="clika-runtime stop", daemon=True).start()
+
+    def _listen(self, reader: socket.socket) -> None:
+        with reader:
+            while heard := reader.recv(64):  # the signals' numbers, a byte each; nothing once closed
+                if any(number in heard for number in self._SIGNALS):
+                    self._start_clock()
+                    return
+
+    def _start_clock(self) -> None:
+        self.requested = True
+        with self._lock:
+            if not self._over and self._deadline_s is not None:
+                self._clock = exit_within(self._deadline_s, "the stop", self._spare)
+
+
+def exit_within(seconds: float, what: str, spare: set[Any]) -> threading.Timer:
+    """Start a clock that, unless cancelled within ``seconds``, prints where every thread stands,
+    kills this process's descendants but ``spare``, and ends the process with exit code 0."""
+    clock = threading.Timer(seconds, _cut_short, (seconds, what, spare))
+    clock.daemon = True
+    clock.start()
+    return clock
+
+
+def _cut_short(seconds: float, what: str, spare: set[Any]) -> None:
+    with contextlib.suppress(Exception):  # a closed stream must not keep the process alive
+        sys.stdout.flush()
+        print(f"clika-runtime: {what} did not end within {seconds:g} s; ending the process. "
+              "Where it stood:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    with contextlib.suppress(Exception):
+        reap(spare, 0.2)
+    os._exit(0)
 
 
 class Stopped(KeyboardInterrupt):
@@ -58,10 +152,6 @@ class Stopped(KeyboardInterrupt):
     extension runs (PyRun_String, as Cython modules do while Ray starts) and, under ``python -m``,
     ends the process with SIGINT at exit even when it was caught (exit code -2): it checks the
     exception's type by identity."""
-
-
-def _interrupt(signum: int, frame: Any) -> NoReturn:
-    raise Stopped
 
 
 @contextlib.contextmanager
