@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 
@@ -773,3 +774,47 @@ def test_trap_a_bound_method_static_never_finds_another_processs_graph(tmp_path)
         assert result.returncode == 0, result.stderr
         answers.append(result.stdout.strip())
     assert answers == ["[3.0, 3.0, 3.0]", "[4.0, 4.0, 4.0]"], answers
+
+
+class _Scaling:
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+class _Holding(torch.nn.Module):
+    """A module whose attribute is a plain object or a method bound to one: its value decides the graph."""
+
+    def __init__(self, held) -> None:
+        super().__init__()
+        self.held = held
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.held(x) if callable(self.held) else _activated(x, self.held)
+
+
+class _LockedAct:
+    """An object whose fields cannot all be read as values (a lock): it keys this process's object."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.lock = mode, threading.Lock()
+
+
+@pytest.mark.parametrize("first, second, mixed_answer", [
+    (_Act("relu"), _Act("identity"), [-1.0, 2.0, -3.0]),
+    (_Scaling(1.0).apply, _Scaling(-1.0).apply, [1.0, -2.0, 3.0]),
+    (_LockedAct("relu"), _LockedAct("identity"), [-1.0, 2.0, -3.0]),
+], ids=["object", "bound-method", "unreadable-object"])
+def test_trap_the_disk_cache_keys_a_modules_object_attribute_by_its_value(first, second, mixed_answer):
+    # The key wrote a module's attribute holding a plain object as its class, and a bound method as
+    # its function: a module holding _Act("identity") found the graph of one holding _Act("relu"),
+    # agreeing on the capturing call's input (zeros), then served relu.
+    zeros, mixed = torch.zeros(3), torch.tensor([-1.0, 2.0, -3.0])
+    with torch.no_grad():
+        cr.compile(_Holding(first))(zeros)
+        other = cr.compile(_Holding(second))
+        other(zeros)
+        assert "export" in other.captures[0].phases  # its own graph
+        assert other(mixed).tolist() == mixed_answer

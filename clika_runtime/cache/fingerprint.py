@@ -40,6 +40,7 @@ from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.target import Target
 from clika_runtime.state.walk import filled, global_names, modules_reached
 from clika_runtime.state.weights import closure_tensors
+from clika_runtime.trees.key import Unkeyable, static_value
 
 # id(storage) -> (a weak reference to it, {view: (the tensor's version when hashed, the digest)}).
 _DIGESTS: dict[int, tuple[weakref.ref, dict[tuple, tuple[int | None, str]]]] = {}
@@ -417,27 +418,36 @@ def _file_digest(path: str) -> str:
 def _plain(value: Any, depth: int = 4) -> str:
     """A stable text of an attribute's value (configs by their dict; functions by their code, the
     values they close over and their defaults; partials by their function and arguments; other
-    objects by their type; containers ``depth`` levels down, then by their length)."""
+    objects by their fields' values, or as this process's object where those cannot be read: by
+    its type alone, ``Act("identity")`` found ``Act("relu")``'s graph; containers ``depth``
+    levels down, then by their length)."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return repr(value)
     if isinstance(value, (functools.partial, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
         return _callable(value, depth)
     if isinstance(value, (tuple, list, dict)):
-        if depth == 0:
+        if depth <= 0:
             return f"{type(value).__qualname__}[{len(value)}]"
         if isinstance(value, dict):  # SETTINGS = {"limit": 5.0}
             return "{" + ",".join(sorted(f"{k!r}:{_plain(v, depth - 1)}" for k, v in value.items())) + "}"
         return "[" + ",".join(_plain(v, depth - 1) for v in value) + "]"
-    if isinstance(value, enum.Enum):
+    if isinstance(value, (enum.Enum, torch.dtype, torch.device)):
         return repr(value)
+    if isinstance(value, (torch.Tensor, torch.nn.Module)):  # keyed where they are read: weights, modules reached
+        return type(value).__qualname__
+    if hasattr(value, "__wrapped__"):  # a wrapper (``model.forward = cr.compile(model.forward)``): what it wraps
+        return f"wrapping({_plain(value.__wrapped__, depth - 1)})"
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):
         try:  # a transformers config leaves out the attention implementation, which changes the graph
             return repr(sorted((str(k), repr(v)) for k, v in to_dict().items())) + \
                 repr(getattr(value, "_attn_implementation", None))
-        except Exception:  # a to_dict that needs arguments: the type is what we have
+        except Exception:  # a to_dict that needs arguments: read as any other object below
             pass
-    return type(value).__qualname__
+    try:  # an object by the value of its fields, as a static argument is keyed
+        return _stable(static_value(value))
+    except Unkeyable:  # fields that cannot be read as values: this process's object alone
+        return f"{type(value).__qualname__} of process {os.getpid()} at {id(value):x}"
 
 
 def _callable(value: Any, depth: int) -> str:
@@ -445,8 +455,10 @@ def _callable(value: Any, depth: int) -> str:
     if isinstance(value, functools.partial):
         return f"partial({_plain(value.func, depth)},{_plain(list(value.args), depth - 1)}," \
                f"{_plain(value.keywords, depth - 1)})"
-    if isinstance(value, types.MethodType):
-        return f"method({_plain(value.__func__, depth)})"
+    if isinstance(value, types.MethodType):  # with the object it is bound to: Scaler(2.0).apply is not Scaler(3.0)'s
+        owner = value.__self__  # a module's own fields are read where the tree is; modules are not values
+        bound = type(owner).__qualname__ if isinstance(owner, torch.nn.Module) else _plain(owner, depth - 1)
+        return f"method({_plain(value.__func__, depth)},{bound})"
     if isinstance(value, types.BuiltinFunctionType):  # torch.relu, math.sqrt
         return f"{getattr(value, '__module__', None)}.{value.__qualname__}"
     held = [*_closure(value), *_defaults(value)] if depth > 0 else []
