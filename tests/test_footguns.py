@@ -128,6 +128,31 @@ def test_grad_mode_with_an_input_requiring_grad_stays_eager():
     assert not served.requires_grad and f.recapture_count == 0
 
 
+class _GradBranches(torch.nn.Module):
+    def forward(self, x):
+        return _grad_branch(x)
+
+
+def _grad_branch(x):
+    return x * 2 if torch.is_grad_enabled() else x * 3
+
+
+@pytest.mark.parametrize("target", [_GradBranches(), _grad_branch], ids=["module", "function"])
+def test_trap_code_reading_grad_mode_is_not_served_the_other_modes_graph(target):
+    # Captured under no_grad, a call in grad mode (nothing requiring grad) was served the no_grad
+    # branch (a trial: 0.88 off). Graphs are traced under no_grad: grad-mode calls run eagerly,
+    # and the no_grad graph still serves afterwards.
+    f = cr.compile(target)
+    x = torch.ones(3)
+    with torch.no_grad():
+        f(x), f(x)
+    with pytest.warns(UserWarning, match=r"reads torch.is_grad_enabled\(\)"):
+        torch.testing.assert_close(f(x), x * 2)
+    with torch.inference_mode():
+        torch.testing.assert_close(f(x), x * 3)
+    assert f.recapture_count == 0 and f.state is State.Compiled and f.captures[0].hits == 2
+
+
 class _TrainDoubles(torch.nn.Module):
     def forward(self, x):
         return x * 2 if self.training else x

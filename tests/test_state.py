@@ -475,6 +475,41 @@ def test_trap_nested_containers_partials_and_a_functions_own_classes_are_followe
     assert f.recapture_count == 2
 
 
+class _Scales(list):
+    pass
+
+
+class _Pair(tuple):
+    pass
+
+
+class _Subclassed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales, self.pair = _Scales([2.0]), _Pair(([1.0],))
+
+    def forward(self, x):
+        return x * self.scales[0] * self.pair[0][0]
+
+
+@pytest.mark.parametrize("change", ["list-subclass", "list-in-a-tuple-subclass"])
+def test_trap_a_change_in_place_inside_a_container_subclass_is_seen(change):
+    # A list or tuple subclass was kept by reference, not copied: changed in place, it compared
+    # equal to itself and the old graph was served (a trial: 7.07 off).
+    model = _Subclassed()
+    f = cr.compile(model)
+    x = torch.ones(3)
+    with torch.no_grad():
+        f(x), f(x)
+        if change == "list-subclass":
+            model.scales[0] = 10.0
+        else:
+            model.pair[0][0] = -1.0
+        torch.testing.assert_close(f(x), model(x))
+        f(x)
+    assert f.recapture_count == 1, f.recapture_reasons  # and once seen, served again
+
+
 def test_loggers_a_function_names_are_not_state():
     import logging
 

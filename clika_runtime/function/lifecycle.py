@@ -36,6 +36,7 @@ from clika_runtime.function.table import (CacheTable, State, empty, noted, retry
                                           without)
 from clika_runtime.state import reads, weights
 from clika_runtime.state.snapshot import Snapshot, hook_containers
+from clika_runtime.state.walk import reads_grad_mode
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey, Unkeyable
@@ -145,6 +146,10 @@ class Lifecycle(Fallbacks):
         if (not table.captures or not table.fresh()) and (lent := weights.lent(self.target.owner)):  # before any capture is dropped
             self._say_once(f"the parameters {staleness.listed(lent, repr)} hold plain tensors (torch.func."
                            "functional_call swaps them in for one call): such calls run eagerly, the graphs stay")
+            return Eager(), None, table.generation
+        if torch.is_grad_enabled() and reads_grad_mode(self.target.fn, self.target.owner):  # before any capture is dropped
+            self._say_once("the code reads torch.is_grad_enabled(), and graphs are traced under no_grad: calls in "
+                           "grad mode run eagerly; call under torch.no_grad() or torch.inference_mode() to have them served")
             return Eager(), None, table.generation
         table = self.table = staleness.checked(table, self.target)
         if table.refused and not table.refused_still():  # m.float() after m.double() failed: try again

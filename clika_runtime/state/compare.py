@@ -93,8 +93,11 @@ def _copied(value: Any, depth: int) -> Any:
         return value
     if isinstance(value, dict):
         return {k: _copied(v, depth - 1) for k, v in value.items()}
-    copied = type(value)(_copied(v, depth - 1) for v in value) if type(value) in (list, set, tuple) else value
-    return value if type(value) is tuple and all(a is b for a, b in zip(copied, value)) else copied
+    # A subclass (``class Scales(list)``, a named tuple) as its base: kept by reference, a change in
+    # place compared equal to itself and served the old graph.
+    base = next(b for b in (list, set, tuple) if isinstance(value, b))
+    copied = base(_copied(v, depth - 1) for v in value)
+    return value if base is tuple and all(a is b for a, b in zip(copied, value)) else copied
 
 
 def differences(part: Part, same: Callable[[Any, Any], bool] | None = None) -> list[str]:
@@ -171,7 +174,8 @@ def word(part: Part, key: str) -> str:
 def _same(old: Any, new: Any) -> bool:
     if old is new:
         return True
-    if isinstance(old, (dict, list, set, tuple, str, bytes, int, float, complex, bool)) and type(old) is type(new):
+    if isinstance(old, (dict, list, set, tuple, str, bytes, int, float, complex, bool)) and (
+            type(old) is type(new) or type(old) in (list, set, tuple) and isinstance(new, type(old))):  # a copy of a subclass
         try:
             return bool(old == new)
         except Exception:  # containers holding arrays or tensors: not comparable by value

@@ -34,6 +34,8 @@ import torch
 from clika_runtime.base.libraries import body_values, ours
 from clika_runtime.state.compare import COPIED, MODULE_HOOKS, MODULE_INTERNALS, MODULE_PRIVATE, Part, cells_part, dict_part, kept
 
+_GRAD_MODE = "is_grad_enabled"
+_CALLED_DEPTH = 2  # levels of the user's functions followed from a forward, for the names they use
 _DEPTH = 2  # levels of attribute-carrying objects watched below a module
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 _CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
@@ -60,7 +62,13 @@ def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], "_Wa
     else:
         for layer in _unwrapped(fn):
             parts += _callable(layer, walk)
-    return parts + _global_hooks() + [_default_dtype()], walk
+    return parts + _global_hooks() + [_default_dtype()] + ([_grad_mode()] if _GRAD_MODE in walk.names else []), walk
+
+
+def reads_grad_mode(fn: Any, owner: torch.nn.Module | None) -> bool:
+    """Whether the user's code ``fn`` runs names ``torch.is_grad_enabled``: a graph, traced under
+    ``no_grad``, answers for that mode only."""
+    return _GRAD_MODE in parts_read(fn, owner)[1].names
 
 
 def modules_reached(fn: Any, owner: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:
@@ -75,6 +83,8 @@ class _Walk:
     reaches outside its owner's registered tree (their tensors are baked as constants)."""
 
     seen: set[int] = field(default_factory=set)
+    names: set[str] = field(default_factory=set)  # the names the user's functions and methods walked use
+    classes: set[type] = field(default_factory=set)  # the modules' classes whose methods' names are in ``names``
     reached: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     holders: dict[int, Any] = field(default_factory=dict)  # the objects whose attributes are watched, by their dict's id
 
@@ -115,6 +125,9 @@ def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
         if id(module) in walk.seen:
             continue
         walk.seen.add(id(module))
+        if type(module) not in walk.classes:
+            walk.classes.add(type(module))
+            walk.names |= _method_names(type(module))
         state = vars(module)
         walk.holders[id(state)] = module
         keys = [k for k in state if not k.startswith("_")]
@@ -211,6 +224,7 @@ def _callable(fn: Any, walk: _Walk) -> list[Part]:
 
 
 def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
+    walk.names |= _code_names(fn)
     parts = [Part(f"{fn.__qualname__}'s", fn, ("__defaults__", "__kwdefaults__", "__code__"),
                   operator.attrgetter("__defaults__", "__kwdefaults__", "__code__"),
                   (kept(fn.__defaults__), kept(fn.__kwdefaults__), fn.__code__), None, variables=True)]
@@ -264,6 +278,40 @@ def _default_dtype() -> Part:
 
 def _get_default_dtype(_: Any) -> torch.dtype:
     return torch.get_default_dtype()
+
+
+def _grad_mode() -> Part:
+    """Grad mode, for code that reads it (``y * 2 if torch.is_grad_enabled() else y``): a call with
+    frozen weights is served in either mode, so a graph traced under ``no_grad`` served the other
+    branch. Watched only where the user's code names ``is_grad_enabled``; torch's modules read
+    it only beside weights that require grad, calls that run eagerly."""
+    return Part("torch's", torch, ("grad mode",), _get_grad_mode, (torch.is_grad_enabled(),), None, variables=True)
+
+
+def _get_grad_mode(_: Any) -> bool:
+    return torch.is_grad_enabled()
+
+
+def _method_names(cls: type) -> set[str]:
+    """The names the functions in the bodies of ``cls`` and its bases use, for the user's own classes."""
+    return {name for owner in cls.__mro__ if ours(owner) for value in vars(owner).values()
+            if isinstance(value, types.FunctionType) for name in _code_names(value)}
+
+
+def _code_names(fn: types.FunctionType, depth: int = _CALLED_DEPTH) -> set[str]:
+    """Every global and attribute name ``fn``'s code (and the functions it defines) uses, and those
+    of the user's functions it names as globals, ``depth`` calls down (``forward`` calling a helper)."""
+    names, codes = set(), [fn.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    if depth > 0:
+        for name in set(global_names(fn.__code__)):
+            called = fn.__globals__.get(name)
+            if isinstance(called, types.FunctionType) and called is not fn and ours(called):
+                names |= _code_names(called, depth - 1)
+    return names
 
 
 def _sized(name: str, hooks: dict) -> Part:
