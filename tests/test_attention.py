@@ -249,3 +249,21 @@ def test_trap_a_transformer_encoders_padded_positions_are_served_as_its_fast_pat
         for mask in (at_end, at_start, at_end):
             torch.testing.assert_close(f(x, src_key_padding_mask=mask), model(x, src_key_padding_mask=mask))
     assert sum(c.hits for c in f.captures) == 3 and f.recapture_count == 0
+
+
+def test_trap_turning_the_attention_fast_path_off_is_a_change_of_state():
+    """``torch.backends.mha.set_fastpath_enabled(False)`` after a capture: eager computes the
+    padded positions the fast path left zero; the graph kept serving zeros (a trial: 2.37 off)."""
+    model = _encoder(False)
+    f = cr.compile(model)
+    x = torch.randn(2, 5, 16)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    try:
+        with torch.inference_mode():
+            f(x, src_key_padding_mask=mask), f(x, src_key_padding_mask=mask)
+            torch.backends.mha.set_fastpath_enabled(False)
+            torch.testing.assert_close(f(x, src_key_padding_mask=mask), model(x, src_key_padding_mask=mask))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    assert f.recapture_reasons == ["state changed: torch's 'attention fast path'"]

@@ -818,3 +818,26 @@ def test_trap_the_disk_cache_keys_a_modules_object_attribute_by_its_value(first,
         other(zeros)
         assert "export" in other.captures[0].phases  # its own graph
         assert other(mixed).tolist() == mixed_answer
+
+
+def test_trap_the_attention_fast_path_setting_is_in_the_key():
+    # A process with torch.backends.mha's fast path off restored a graph made with it on: the first
+    # call (no padding) agreed, then padded positions were served as zeros where eager computes them.
+    def encoder() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1).eval()
+
+    x, unpadded = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
+    padded = unpadded.clone()
+    padded[1, 3:] = True
+    with torch.inference_mode():
+        cr.compile(encoder())(x, src_key_padding_mask=unpadded)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            model = encoder()
+            other = cr.compile(model)
+            other(x, src_key_padding_mask=unpadded)
+            assert "export" in other.captures[0].phases  # its own graph
+            torch.testing.assert_close(other(x, src_key_padding_mask=padded), model(x, src_key_padding_mask=padded))
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)

@@ -104,10 +104,16 @@ def capture_key(function: str, plan: CapturePlan, place: str) -> str:
     ]
     parts = [function, str(call.key.structure), _statics(call.key.statics),
              repr([(str(d), r, str(dev)) for d, r, dev, *_ in call.key.tensors]), repr(call.key.tensor_at),
-             repr(call.key.training),
+             repr(call.key.training), _torch_settings(),
              repr(shapes), repr(sorted(call.lifted)), repr([sorted(d.items(), key=str) for d in plan.dynamic]),
              repr(plan.ties), repr(plan.variant), place]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def _torch_settings() -> str:
+    """The process-wide settings of torch a trace follows (watched per call in a process: state/walk):
+    the default dtype, and the attention fast path (padded positions zero, or computed)."""
+    return repr((torch.get_default_dtype(), torch.backends.mha.get_fastpath_enabled()))
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

@@ -45,6 +45,7 @@ _CONTAINERS = (dict, list, tuple, set, frozenset, str, bytes)
 _INERT = (logging.Logger, logging.LoggerAdapter, threading.Event, threading.Condition, threading.Semaphore,
           threading.Barrier, threading.Thread)
 _CONTAINER_MODULES = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+_FAST_PATH_MODULES = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
 
 
 def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], "_Walk"]:
@@ -62,7 +63,8 @@ def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], "_Wa
     else:
         for layer in _unwrapped(fn):
             parts += _callable(layer, walk)
-    return parts + _global_hooks() + [_default_dtype()] + ([_grad_mode()] if _GRAD_MODE in walk.names else []), walk
+    flags = ([_grad_mode()] if _GRAD_MODE in walk.names else []) + ([_fast_path()] if walk.attention else [])
+    return parts + _global_hooks() + [_default_dtype()] + flags, walk
 
 
 def reads_grad_mode(fn: Any, owner: torch.nn.Module | None) -> bool:
@@ -85,6 +87,7 @@ class _Walk:
     seen: set[int] = field(default_factory=set)
     names: set[str] = field(default_factory=set)  # the names the user's functions and methods walked use
     classes: set[type] = field(default_factory=set)  # the modules' classes whose methods' names are in ``names``
+    attention: bool = False  # a module whose eager answer follows ``torch.backends.mha``'s fast-path flag
     reached: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     holders: dict[int, Any] = field(default_factory=dict)  # the objects whose attributes are watched, by their dict's id
 
@@ -125,6 +128,7 @@ def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
         if id(module) in walk.seen:
             continue
         walk.seen.add(id(module))
+        walk.attention = walk.attention or isinstance(module, _FAST_PATH_MODULES)
         if type(module) not in walk.classes:
             walk.classes.add(type(module))
             walk.names |= _method_names(type(module))
@@ -290,6 +294,18 @@ def _grad_mode() -> Part:
 
 def _get_grad_mode(_: Any) -> bool:
     return torch.is_grad_enabled()
+
+
+def _fast_path() -> Part:
+    """``torch.backends.mha.set_fastpath_enabled``: in eval mode without grad, attention and
+    transformer encoder layers take a fused path that leaves padded positions otherwise than
+    the plain one (zeros, not values)."""
+    return Part("torch's", torch.backends.mha, ("attention fast path",), _get_fast_path,
+                (torch.backends.mha.get_fastpath_enabled(),), None, variables=True)
+
+
+def _get_fast_path(_: Any) -> bool:
+    return torch.backends.mha.get_fastpath_enabled()
 
 
 def _method_names(cls: type) -> set[str]:
