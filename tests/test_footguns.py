@@ -645,3 +645,16 @@ def test_a_set_read_and_not_written_is_not_a_write():
     assert given.written(torch.ones(1)) == []
     tags.add("c")
     assert given.written(torch.ones(1)) == ["args_0"]
+
+
+def test_trap_a_lazy_module_compiled_before_its_first_call_is_served_after_it():
+    # nn.LazyLinear's parameters are made by its first call: planning that call read them and was
+    # reported as "a bug in clika_runtime", and the key ran eagerly for good (a trial).
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU()).eval()
+    f = cr.compile(model)
+    x = torch.randn(2, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            torch.testing.assert_close(f(x), model(x))
+    assert f.state is State.Compiled and f.captures[0].hits == 1

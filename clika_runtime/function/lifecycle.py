@@ -147,6 +147,8 @@ class Lifecycle(Fallbacks):
             self._say_once(f"the parameters {staleness.listed(lent, repr)} hold plain tensors (torch.func."
                            "functional_call swaps them in for one call): such calls run eagerly, the graphs stay")
             return Eager(), None, table.generation
+        if not table.captures and weights.uninitialized(self.target.owner):  # made by this eager call; the next captures
+            return Eager(), None, table.generation
         if torch.is_grad_enabled() and reads_grad_mode(self.target.fn, self.target.owner):  # before any capture is dropped
             self._say_once("the code reads torch.is_grad_enabled(), and graphs are traced under no_grad: calls in "
                            "grad mode run eagerly; call under torch.no_grad() or torch.inference_mode() to have them served")

@@ -23,6 +23,7 @@ in-place updates cannot be seen (their ``data_ptr`` still is); the capture notes
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 from dataclasses import dataclass
@@ -277,6 +278,13 @@ def lent(owner: torch.nn.Module | None) -> list[str]:
     return [f"{where}.{name}" if where else name for where, module in owner.named_modules()
             for name, p in vars(module).get("_parameters", {}).items()
             if p is not None and not isinstance(p, torch.nn.Parameter)]
+
+
+def uninitialized(owner: torch.nn.Module | None) -> bool:
+    """Whether ``owner`` holds a lazy module's parameters or buffers not made yet (``nn.LazyLinear``
+    before its first call, which makes them from the input's sizes)."""
+    return owner is not None and any(
+        torch.nn.parameter.is_lazy(t) for t in itertools.chain(owner.parameters(), owner.buffers()))
 
 
 def converted_watch(owner: torch.nn.Module | None, target: Any) -> Callable[[], bool]:
