@@ -658,3 +658,32 @@ def test_trap_a_lazy_module_compiled_before_its_first_call_is_served_after_it():
         for _ in range(3):
             torch.testing.assert_close(f(x), model(x))
     assert f.state is State.Compiled and f.captures[0].hits == 1
+
+
+class _MadeConstants(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) + torch.tensor(0.1) * torch.ones(8)  # made in the default dtype
+
+
+def test_trap_a_key_refused_under_another_default_dtype_captures_again_once_it_is_back():
+    # Under set_default_dtype(torch.float64) the re-capture's graph failed to load; with float32
+    # back, the state was the captured one again, but the key ran eagerly until reset() (a trial).
+    model = _MadeConstants().eval()
+    f = cr.compile(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        f(x), f(x)
+        torch.set_default_dtype(torch.float64)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the exporter's graph fails to load, said as a refusal
+                torch.testing.assert_close(f(x), model(x))
+        finally:
+            torch.set_default_dtype(torch.float32)
+        f(x)
+        torch.testing.assert_close(f(x), model(x))
+    assert f.state is State.Compiled and f.captures[0].hits == 1

@@ -290,13 +290,15 @@ def uninitialized(owner: torch.nn.Module | None) -> bool:
 def converted_watch(owner: torch.nn.Module | None, target: Any) -> Callable[[], bool]:
     """A check that is True while no parameter or buffer of ``owner``, nor a tensor ``target``
     closes over, was converted or replaced (``.float()``, ``.to()``, a new submodule, a rebound
-    tensor): what may make a capture that failed succeed. In-place writes do not count (a
-    training-mode forward writes its buffers on every call, and a new value rarely fixes a
-    capture). It walks the module on every call: for the eager path only."""
+    tensor), and torch's default dtype is as it was: what may make a capture that failed succeed
+    (a capture under ``set_default_dtype(torch.float64)`` failed, and the key stayed eager once
+    float32 was back). In-place writes do not count (a training-mode forward writes its buffers
+    on every call, and a new value rarely fixes a capture). It walks the module on every call:
+    for the eager path only."""
 
     def layouts() -> tuple:
         tensors = [*owner.parameters(), *owner.buffers()] if owner is not None else []
-        return tuple(map(_layout, tensors + [t for _, t in closure_tensors(target)]))
+        return (torch.get_default_dtype(), *map(_layout, tensors + [t for _, t in closure_tensors(target)]))
 
     before = layouts()
     return lambda: layouts() == before
