@@ -42,19 +42,22 @@ def _upsample_nearest(exact: bool) -> Callable[..., Any]:
         for d in range(spatial):
             scale = None if scale_factors is None else scale_factors[d]
             size = None if output_size is None else output_size[d]
-            out = op.Gather(out, _nearest_index(input, 2 + d, size, scale, exact), axis=2 + d)
+            out = op.Gather(out, _nearest_index(input, 2 + d, size, scale, exact, shortcuts=spatial == 2),
+                            axis=2 + d)
         return out
     return upsample
 
 
-def _nearest_index(input: Any, axis: int, size: Any, scale_factor: float | None, exact: bool) -> Any:
+def _nearest_index(input: Any, axis: int, size: Any, scale_factor: float | None, exact: bool,
+                   shortcuts: bool) -> Any:
     """The input index of each output position along ``axis``, as aten/src/ATen/native/UpSample.h
     computes it: ``min(floor((i + offset) * scale), in - 1)`` in float32, where ``scale`` is
     ``float(1.0 / scale_factor)`` (divided in double) when a scale factor is given, else
     ``float(in) / out``; the output size is ``floor(double(in) * scale_factor)``. ONNX's Resize
     divides ``i`` by the scale factor in float32 instead, which lands on the other side of an
-    integer at some sizes. Plain nearest keeps torch's shortcuts for ``out == in`` and
-    ``out == 2 * in``."""
+    integer at some sizes. ``shortcuts``: torch's CPU kernel for plain nearest in 2-d copies
+    where ``out == in`` and halves where ``out == 2 * in``; its 1-d and 3-d kernels do not (a
+    scale factor of 2.05 at length 2: ``[0, 0, 0, 1]``, not the shortcut's ``[0, 0, 1, 1]``)."""
     length = op.Squeeze(op.Shape(input, start=axis, end=axis + 1))
     if scale_factor is not None:
         factor = op.Constant(value=ir.tensor(scale_factor, dtype=ir.DataType.DOUBLE))
@@ -69,7 +72,7 @@ def _nearest_index(input: Any, axis: int, size: Any, scale_factor: float | None,
         source = op.Add(source, op.Constant(value_float=0.5))
     last = op.Sub(length, op.Constant(value_int=1))
     index = op.Min(op.Cast(op.Floor(op.Mul(source, scale)), to=ir.DataType.INT64), last)
-    if exact:
+    if exact or not shortcuts:
         return index
     halves = op.Div(positions, op.Constant(value_int=2))
     doubled = op.Equal(out, op.Mul(length, op.Constant(value_int=2)))

@@ -100,6 +100,10 @@ def _resize_cases() -> list[Case]:
             cases.append(Case(f"{mode} 2d scale {scale:.3g}", _resize(mode, scale_factor=scale), _image))
             cases.append(Case(f"{mode} 1d scale {scale:.3g}", _resize(mode, scale_factor=scale), _line))
         cases.append(Case(f"{mode} 3d scale 0.7", _resize(mode, scale_factor=0.7), _volume))
+        for scale in (1.05, 2.05):  # out == in and out == 2 * in at short lengths: 2-d's shortcuts only
+            cases.append(Case(f"{mode} 1d scale {scale:.3g}", _resize(mode, scale_factor=scale), _line))
+            cases.append(Case(f"{mode} 2d scale {scale:.3g}", _resize(mode, scale_factor=scale), _image))
+        cases.append(Case(f"{mode} 3d scale 2.05", _resize(mode, scale_factor=2.05), _volume))
         cases.append(Case(f"{mode} 2d scale 0.7 recomputed",
                           _resize(mode, scale_factor=0.7, recompute_scale_factor=True), _image))
         cases.append(Case(f"{mode} 2d size 7x13", _resize(mode, size=(7, 13)), _image))

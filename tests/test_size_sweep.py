@@ -29,6 +29,9 @@ FIXED = {
     "nearest-exact 3d scale 0.7": "7, 8, 9, 14, 22, 23, 28",
     "nearest 2d scale 2.3": "31..39",
     "nearest 2d size 2s-1": "21, 39",
+    "nearest 1d scale 1.05": "5..19 (2..19: torch's 2-d shortcuts applied to 1-d)",
+    "nearest 1d scale 2.05": "5..19",
+    "nearest 3d scale 2.05": "5..19",
     "adaptive_avg_pool2d 7": "9..13, 16..20, 23..27, 30..34 (and eager at 9 others)",
     "arange 0, n, 0.7": "7, 14, 28, 35 (its length in float32: exporters/sizes.py)",
 }
@@ -39,7 +42,7 @@ RIGHT = [
     "bilinear scale 0.7 align_corners=False", "bicubic scale 2.3 align_corners=True",
     "trilinear scale 0.7 align_corners=True", "avg_pool2d 3/2 pad 1 ceil=True count_include_pad=False",
     "max_pool2d 3/2 pad 1 ceil=True", "Tensor.unfold 3/2", "F.unfold 3 stride 2 dilation 2 pad 1",
-    "pixel_unshuffle 2", "adaptive_avg_pool2d 3x5", "slice 2:-3:2", "narrow -4, 2", "pad reflect", "conv2d stride 2 dilation 2",
+    "nearest 2d scale 2.05", "pixel_unshuffle 2", "adaptive_avg_pool2d 3x5", "slice 2:-3:2", "narrow -4, 2", "pad reflect", "conv2d stride 2 dilation 2",
 ]
 
 
