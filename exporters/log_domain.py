@@ -66,11 +66,14 @@ def logcumsumexp(self: Any, dim: int) -> Any:
     length = op.Shape(self, start=dim, end=dim + 1)
     lowest = number_like(-math.inf, self)
     total = self
+    at_dim = [0] * (2 * rank)
+    at_dim[dim] = 1
     for k in range(steps):
-        pads = [0] * (2 * rank)
-        pads[dim] = 2 ** k  # 2**k positions of -inf before the axis' start, then the first `length` kept
-        shifted = op.Slice(op.Pad(total, op.Constant(value_ints=pads), lowest), op.Constant(value_ints=[0]), length,
-                           op.Constant(value_ints=[dim]))
+        # 2**k positions of -inf before the axis' start, then the first `length` kept. On a dynamic
+        # axis no more than `length`: padded by 2**30, one row took 4 GiB on every call.
+        shift = op.Constant(value_ints=[2 ** k]) if isinstance(size, int) else op.Min(length, op.Constant(value_ints=[2 ** k]))
+        pads = op.Mul(op.Constant(value_ints=at_dim), shift)
+        shifted = op.Slice(op.Pad(total, pads, lowest), op.Constant(value_ints=[0]), length, op.Constant(value_ints=[dim]))
         total = logaddexp(total, shifted)
     return total
 

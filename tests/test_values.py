@@ -102,6 +102,30 @@ def test_trap_a_graph_wrong_at_small_outputs_is_refused_beside_huge_ones():
     torch.testing.assert_close(got, torch.special.erfcx(x))
 
 
+_LOGCUMSUMEXP_MEMORY = """
+import resource, torch, clika_runtime as cr
+cr.config.cache_dir = None
+f = cr.compile(lambda x: torch.logcumsumexp(x, 1))
+with torch.no_grad():
+    for n in (5, 9, 12, 12):
+        x = torch.randn(1, n)
+        torch.testing.assert_close(f(x), torch.logcumsumexp(x, 1))
+print(sum(c.hits for c in f.captures), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def test_trap_logcumsumexp_over_a_dynamic_axis_runs_in_the_memory_of_its_size():
+    """Its translation shifted by 2**k for k up to 30 on a dynamic axis, each shift padding the
+    tensor that far: a row took 4 GiB on every call (9 GB peak; three rows: killed for memory)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _LOGCUMSUMEXP_MEMORY], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    hits, peak_mib = map(int, done.stdout.split())
+    assert hits == 2 and peak_mib < 2000, (hits, peak_mib)
+
+
 _INT_MIN_FLOOR = """
 import torch, clika_runtime as cr
 cr.config.cache_dir = None
