@@ -6,10 +6,11 @@ Imports nothing of torch at import time: a deployment box may have only onnxrunt
 from serving.ort_types import DTYPE_NAMES
 from serving.providers import Place, available, cuda_available, resolve
 from serving.runners import NumpyRunner, TorchRunner, with_torch_stream
-from serving.session import ProviderMissing, machine_tag, metadata, open_session
+from serving.session import KILLED_BY_EMPTY, ProviderMissing, machine_tag, metadata, open_session
 
 __all__ = [
     "DTYPE_NAMES",
+    "KILLED_BY_EMPTY",
     "NumpyRunner",
     "Place",
     "ProviderMissing",

@@ -10,6 +10,11 @@ import onnxruntime as ort
 
 from serving.providers import Place
 
+# onnxruntime kernels that kill the process (not raise) on inputs with an empty axis: Einsum
+# summing over a length 0 (SIGFPE), InstanceNormalization over a length 0 (SIGSEGV). A graph
+# holding one is never run on inputs with a size 0.
+KILLED_BY_EMPTY = frozenset({"Einsum", "InstanceNormalization"})
+
 
 def session_options(optimize: bool | None, intra_op_threads: int | None, keep_optimized: str | None = None
                     ) -> ort.SessionOptions:

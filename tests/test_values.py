@@ -126,6 +126,35 @@ def test_trap_logcumsumexp_over_a_dynamic_axis_runs_in_the_memory_of_its_size():
     assert hits == 2 and peak_mib < 2000, (hits, peak_mib)
 
 
+_EMPTY_KILLS = """
+import sys, torch, clika_runtime as cr
+cr.config.cache_dir = None
+fn = {"einsum": lambda x: torch.einsum("ij,kj->ik", x, x), "group_norm": torch.nn.GroupNorm(2, 4).eval(),
+      "instance_norm": torch.nn.InstanceNorm1d(4).eval()}[sys.argv[1]]
+shape = (lambda n: (3, n)) if sys.argv[1] == "einsum" else (lambda n: (2, 4, n))
+with torch.no_grad():
+    for sizes in ((8, 12, 0, 0, 9), (0, 0, 8, 12, 9)):  # an empty call after the dynamic graph, and first
+        f = cr.compile(fn)
+        for n in sizes:
+            x = torch.randn(*shape(n))
+            torch.testing.assert_close(f(x), fn(x))
+        print(sum(c.hits for c in f.captures), end=" ")
+"""
+
+
+@pytest.mark.parametrize("op", ["einsum", "group_norm", "instance_norm"])
+def test_trap_ops_onnxruntime_dies_on_when_empty_are_not_run_on_a_size_0(op):
+    """onnxruntime's Einsum over an empty contraction (SIGFPE) and InstanceNormalization over an
+    empty length (SIGSEGV) killed the process where eager returns zeros or an empty tensor."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EMPTY_KILLS, op], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    # The dynamic graph serves 9 after the empty calls; a first call that is empty refuses its key.
+    assert done.stdout.split() == ["1", "0"], done.stdout
+
+
 _INT_MIN_FLOOR = """
 import torch, clika_runtime as cr
 cr.config.cache_dir = None

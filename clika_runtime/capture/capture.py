@@ -100,6 +100,7 @@ def _build(
                            guard_nan=place.device == "cpu", parked=parked)
         baked = tuple(bake(exported.state, exported.constants_read, owner, target))
     phases["export"] = time.perf_counter() - started
+    _refuse_killing_ops(exported, call.feeds)
     guard = _guard(plan, exported, list(call.feeds), place)
     scalar_out = {pos: type(eager_leaves[pos]) for pos in exported.graph_leaves if type(eager_leaves[pos]) in _SCALARS}
     metadata_entries = _metadata(plan, exported, out_spec, eager_leaves, scalar_out, guard, parameters)
@@ -123,6 +124,19 @@ def _build(
                 names, baked, outputs, phases, precision, agreement,
                 None if note is None else f"{precision} not served, {_unreduced(eager_out)} serves instead: {note}")
     return assemble(made, place, optimize, owner, keep_optimized=work_dir is not None)
+
+
+def _refuse_killing_ops(exported: Any, feeds: Sequence[Any]) -> None:
+    """Raise ``UncapturableError`` (no other export helps) before a graph runs on inputs with a
+    size 0 that onnxruntime's kernels would kill the process on (``serving.KILLED_BY_EMPTY``):
+    such calls run eagerly (a variant's sizes, beside a graph that serves the key's others; the
+    whole key when its first call is the empty one)."""
+    if not any(isinstance(f, torch.Tensor) and 0 in f.shape for f in feeds):
+        return
+    killing = sorted(serving.KILLED_BY_EMPTY & {node.op_type for node in exported.model.graph.all_nodes()})
+    if killing:
+        raise UncapturableError(f"onnxruntime's {killing[0]} kills the process on an empty input, and this call "
+                                "has a size 0: such calls run eagerly")
 
 
 def _unreduced(eager_out: Any) -> str:
