@@ -28,19 +28,23 @@ _EXACT = "exact."  # prefix of every value and node name in the exact branch (na
 
 def guard_nan_pools(graph: ir.Graph) -> int:
     """Rewrite ``graph`` as described in the module docstring when it holds NaN-propagating float32
-    max pools; returns how many pools the fast graph runs bare (0: the graph is left as it was)."""
+    max pools or adaptive average pools (``translations.adaptive_avg_pool2d``); returns how many
+    pools the fast graph runs bare (0: the graph is left as it was)."""
     wheres = [node for node in graph if _is_nan_pool(node)]
-    if not wheres or any(_subgraphs(node) for node in graph):  # a graph with branches of its own: left exact
+    averages = [node for node in graph if _is_finite_average(node)]
+    if not wheres + averages or any(_subgraphs(node) for node in graph):  # branches of its own: left exact
         return 0
     names = [value.name for value in graph.outputs]
     exact = _exact_branch(graph)
-    pooled_inputs = []
-    for where in wheres:
+    pooled_inputs, products = [], []
+    for where in wheres + averages:
         pooled = where.inputs[2]
         where.outputs[0].replace_all_uses_with(pooled, replace_graph_outputs=True)
-        pooled_inputs.append(pooled.producer().inputs[0])
+        (pooled_inputs if where in wheres else products).append(pooled)
+    pooled_inputs = [pooled.producer().inputs[0] for pooled in pooled_inputs]
     _drop_unused(graph)
-    found = _nan_in_any(graph, pooled_inputs)
+    found = _either(graph, pooled_inputs and _nan_in_any(graph, pooled_inputs),
+                    products and _not_finite_in_any(graph, products))
     fast = _fast_branch(graph)
     choose = ir.Node("", "If", [found], [ir.AttrGraph("then_branch", exact), ir.AttrGraph("else_branch", fast)],
                      num_outputs=len(names), name="nan_pool_guard")
@@ -62,6 +66,48 @@ def _is_nan_pool(node: ir.Node) -> bool:
     producer = pooled.producer() if pooled is not None else None
     return (producer is not None and producer.op_type == "MaxPool" and not producer.domain
             and pooled.dtype == ir.DataType.FLOAT and _is_nan(nan))
+
+
+def _is_finite_average(node: ir.Node) -> bool:
+    """``Where(IsNaN(p) | IsInf(p), exact, p)`` with ``p`` a ``MatMul``: an adaptive average pool's
+    product, served bare wherever it is finite (a NaN or inf in its input makes some of it not)."""
+    if node.op_type != "Where" or node.domain or len(node.inputs) != 3:
+        return False
+    either, _, product = node.inputs
+    test = either.producer() if either is not None else None
+    if product is None or product.producer() is None or product.producer().op_type != "MatMul" or \
+            test is None or test.op_type != "Or":
+        return False
+    kinds = sorted((v.producer().op_type, v.producer().inputs[0] is product) if v is not None and v.producer() else ("", False)
+                   for v in test.inputs)
+    return kinds == [("IsInf", True), ("IsNaN", True)]
+
+
+def _either(graph: ir.Graph, a: ir.Value | list, b: ir.Value | list) -> ir.Value:
+    """``a or b`` of two bool scalars, where either may be missing (an empty list)."""
+    if not isinstance(a, ir.Value) or not isinstance(b, ir.Value):
+        return a if isinstance(a, ir.Value) else b
+    found = _add(graph, "Or", [a, b])
+    found.dtype, found.shape = ir.DataType.BOOL, ir.Shape([])
+    return found
+
+
+def _not_finite_in_any(graph: ir.Graph, products: list[ir.Value]) -> ir.Value:
+    """A bool scalar: whether any of ``products`` holds a NaN or an inf (their sum is not finite
+    then; a sum that overflows only sends the call to the exact branch)."""
+    sums = [_add(graph, "ReduceSum", [p], [ir.AttrInt64("keepdims", 0)]) for p in dict.fromkeys(products)]
+    sums = [s if s.dtype == ir.DataType.FLOAT else _cast(graph, s, ir.DataType.FLOAT) for s in sums]
+    total = sums[0] if len(sums) == 1 else _add(graph, "Sum", sums)
+    nan, infinite = _add(graph, "IsNaN", [total]), _add(graph, "IsInf", [total])
+    for value in (nan, infinite):
+        value.dtype, value.shape = ir.DataType.BOOL, ir.Shape([])
+    return _either(graph, nan, infinite)
+
+
+def _cast(graph: ir.Graph, value: ir.Value, to: ir.DataType) -> ir.Value:
+    out = _add(graph, "Cast", [value], [ir.AttrInt64("to", to)])
+    out.dtype = to
+    return out
 
 
 def _is_nan(value: ir.Value | None) -> bool:

@@ -323,11 +323,29 @@ def _integer_division(self: Any, other: Any, divide: Callable[[Any, Any], Any]) 
 def adaptive_avg_pool2d(self: Any, output_size: Sequence[int]) -> Any:
     """torch's windows, ``floor(o * in / out)`` to ``ceil((o + 1) * in / out)``, averaged as one
     matrix product per axis: the decomposition unrolled the window to the length it had at the
-    traced size, and served other sizes whose windows are longer."""
+    traced size, and served other sizes whose windows are longer.
+
+    A product's zero weights turn an inf or NaN into NaN in every window of its row and column
+    (one inf in a 9x9 input made the whole 3x3 output NaN). Where the product is not finite, the
+    finite values are averaged with the others as 0, and a window holding a NaN, an inf, or both
+    infinities (counted by the same products over their masks) is NaN, the inf, or NaN, as torch's
+    sum of the window gives: ``Where(IsNaN(p) | IsInf(p), exact, p)``, which ``nan_guard`` serves
+    as ``p`` alone unless a product is not finite (the masks cost 7x the pooling)."""
     height = _window_weights(self, len(self.shape) - 2, output_size[0])  # (out_h, h)
-    width = _window_weights(self, len(self.shape) - 1, output_size[1])  # (out_w, w)
-    rows = op.MatMul(self, op.Transpose(width, perm=[1, 0]))  # (..., h, out_w)
-    return op.MatMul(height, rows)
+    width = op.Transpose(_window_weights(self, len(self.shape) - 1, output_size[1]), perm=[1, 0])  # (w, out_w)
+
+    def pooled(x: Any) -> Any:
+        return op.MatMul(height, op.MatMul(x, width))  # (..., h, out_w), then (..., out_h, out_w)
+
+    plain = pooled(self)
+    nan, above, below = op.IsNaN(self), op.IsInf(self, detect_negative=0), op.IsInf(self, detect_positive=0)
+    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    average = pooled(op.Where(op.Or(nan, op.Or(above, below)), zero, self))
+    held_nan, held_above, held_below = (op.Greater(pooled(op.CastLike(mask, self)), zero) for mask in (nan, above, below))
+    infinity = op.CastLike(op.Constant(value_float=math.inf), self)
+    exact = op.Where(held_above, infinity, op.Where(held_below, op.Neg(infinity), average))
+    exact = op.Where(op.Or(held_nan, op.And(held_above, held_below)), op.CastLike(op.Constant(value_float=math.nan), self), exact)
+    return op.Where(op.Or(op.IsNaN(plain), op.IsInf(plain)), exact, plain)
 
 
 def _window_weights(x: Any, axis: int, out: int) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import clika_runtime as cr
 
@@ -169,3 +170,26 @@ def test_trap_a_nan_reaching_a_hidden_row_comes_out_as_in_torch(masked_attention
     assert f.captures[0].hits == hits + 1
     assert expected[0, :, 2].isnan().any()
     torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("values", [("inf",), ("nan",), ("inf", "-inf"), ("-inf",)])
+@pytest.mark.parametrize("size", [9, 10], ids=["windows apart", "windows overlapping"])
+def test_trap_an_inf_or_nan_stays_in_its_adaptive_average_pooling_windows(values, size):
+    # The translation averages as matrix products, whose zero weights turned one inf or NaN into
+    # NaN across the whole output (a trial: 3x3 of NaN where torch has one inf and eight 1.0s).
+    def pool(x):
+        return F.adaptive_avg_pool2d(x, (3, 3))
+
+    f = cr.compile(pool)
+    x = torch.ones(1, 2, size, size)
+    for i, value in enumerate(values):
+        x[0, 0, 0, 3 * i] = float(value)  # the same window for 9, neighbouring windows sharing a column for 10
+    x[0, 1, 4, 4] = float(values[-1])
+    with torch.no_grad():
+        f(torch.randn(1, 2, size, size))
+        got = f(x)
+    torch.testing.assert_close(got, pool(x), equal_nan=True)
+    assert f.captures[0].hits == 1
+    # The masks run only where a product is not finite: outside the guard, two MatMuls and no mask.
+    ops = [node.op_type for node in f.take_graph().model_proto.graph.node]
+    assert ops.count("MatMul") == 2 and "Where" not in ops and ops.count("If") == 1, ops
