@@ -687,3 +687,15 @@ def test_trap_a_key_refused_under_another_default_dtype_captures_again_once_it_i
         f(x)
         torch.testing.assert_close(f(x), model(x))
     assert f.state is State.Compiled and f.captures[0].hits == 1
+
+
+def test_a_reason_is_said_once_whatever_its_counts_say():
+    # "re-capture limit (8) reached ... (spent by N model changed while capturing)": a thread changing
+    # the weights beside calls moved N on every call, and the warning was said 80 times (a trial).
+    f = cr.compile(lambda x: x + 1)
+    with pytest.warns(UserWarning) as said:
+        for spent in (8, 9, 10):
+            f._lifecycle._say_once(f"re-capture limit (8) reached by weights that change between calls (spent by "
+                                   f"{spent} model changed while capturing): calls run eagerly while they do")
+        f._lifecycle._say_once("another reason")
+    assert len(said) == 2, [str(w.message) for w in said]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import traceback
@@ -144,9 +145,11 @@ class Fallbacks:
 
     def _say_once(self, why: str) -> None:
         """Say once (per reason) why calls serve eagerly without capturing, or at a precision
-        other than the one asked for."""
-        if why not in self._warned:
-            self._warned.add(why)
+        other than the one asked for. A reason is the same whatever its counts say (``spent by 9
+        ...`` after ``spent by 8 ...``: a thread changing weights beside calls said it 80 times)."""
+        key = _COUNTS.sub("#", why)
+        if key not in self._warned:
+            self._warned.add(key)
             logger.info("%s: %s", self.target.name, why)
             say(f"clika_runtime: {self.target.name}: {why}", _user_level())
 
@@ -160,6 +163,8 @@ class Progress:
     ran: bool = False
     out: Any = None
 
+
+_COUNTS = re.compile(r"\d+")  # the numbers in a reason: counts that move while the reason stands
 
 _OURS = tuple(f"{os.sep}{top}{os.sep}" for top in ("clika_runtime", "exporters", "serving"))
 
