@@ -55,6 +55,12 @@ def nonempty(x: Any, dim: Any, out: Any) -> Any:
     return unless(ok, out, x.dtype)
 
 
+def lengths_nonzero(out: Any, axes: Sequence[int], dtype: Any) -> Any:
+    """``out`` (of ``dtype``), failing where one of its ``axes`` is 0 long: a resize that shrank a
+    length to nothing, where torch raises ("Input and output sizes should be greater than 0")."""
+    return unless(_some(out, axes), out, dtype)
+
+
 def one_hot(self: Any, num_classes: int = -1) -> Any:
     """``one_hot``: each class a row, failing on a negative class or one past ``num_classes``
     (ONNX's OneHot counts negatives from the end and leaves a class past the depth all zeros)."""

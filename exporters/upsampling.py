@@ -31,6 +31,8 @@ from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import nn
 from onnxscript.onnx_opset import opset18 as op
 
+from exporters import raising
+
 
 def _upsample_nearest(exact: bool) -> Callable[..., Any]:
     """``upsample_nearest{1,2,3}d.vec`` (``exact``: ``_upsample_nearest_exact*.vec``) with torch's
@@ -44,7 +46,11 @@ def _upsample_nearest(exact: bool) -> Callable[..., Any]:
             size = None if output_size is None else output_size[d]
             out = op.Gather(out, _nearest_index(input, 2 + d, size, scale, exact, shortcuts=spatial == 2),
                             axis=2 + d)
-        return out
+        if scale_factors is None or all(scale >= 1 for scale in scale_factors):
+            return out
+        # A scale below 1 makes a short enough length 0, where torch raises: the graph fails there
+        # too, and the call raises eagerly.
+        return raising.lengths_nonzero(out, list(range(2, 2 + spatial)), input.dtype)
     return upsample
 
 

@@ -699,3 +699,20 @@ def test_a_reason_is_said_once_whatever_its_counts_say():
                                    f"{spent} model changed while capturing): calls run eagerly while they do")
         f._lifecycle._say_once("another reason")
     assert len(said) == 2, [str(w.message) for w in said]
+
+
+def test_trap_a_resize_to_length_0_raises_as_eager_does():
+    # A nearest resize by 1/3 at length 2 is 0 long: eager raises, the dynamic graph answered an
+    # empty tensor (a trial).
+    def shrink(x):
+        return torch.nn.functional.interpolate(x, scale_factor=1 / 3, mode="nearest")
+
+    counted = Counted(shrink)
+    f = cr.compile(counted)
+    with torch.no_grad():
+        f(torch.randn(1, 2, 10)), f(torch.randn(1, 2, 12))
+        with pytest.raises(RuntimeError, match="sizes should be greater than 0"):
+            f(torch.randn(1, 2, 2))
+        calls, x = counted.calls, torch.randn(1, 2, 9)
+        torch.testing.assert_close(f(x), shrink(x))
+    assert counted.calls == calls  # the graph serves on
