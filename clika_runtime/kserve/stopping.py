@@ -122,22 +122,22 @@ class Stop:
         self.requested = True
         with self._lock:
             if not self._over and self._deadline_s is not None:
-                self._clock = exit_within(self._deadline_s, "the stop", self._spare)
+                self._clock = _exit_within(self._deadline_s, self._spare)
 
 
-def exit_within(seconds: float, what: str, spare: set[Any]) -> threading.Timer:
+def _exit_within(seconds: float, spare: set[Any]) -> threading.Timer:
     """Start a clock that, unless cancelled within ``seconds``, prints where every thread stands,
     kills this process's descendants but ``spare``, and ends the process with exit code 0."""
-    clock = threading.Timer(seconds, _cut_short, (seconds, what, spare))
+    clock = threading.Timer(seconds, _cut_short, (seconds, spare))
     clock.daemon = True
     clock.start()
     return clock
 
 
-def _cut_short(seconds: float, what: str, spare: set[Any]) -> None:
+def _cut_short(seconds: float, spare: set[Any]) -> None:
     with contextlib.suppress(Exception):  # a closed stream must not keep the process alive
         sys.stdout.flush()
-        print(f"clika-runtime: {what} did not end within {seconds:g} s; ending the process. "
+        print(f"clika-runtime: the stop did not end within {seconds:g} s; ending the process. "
               "Where it stood:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     with contextlib.suppress(Exception):

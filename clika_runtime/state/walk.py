@@ -85,7 +85,7 @@ class _Walk:
     reaches outside its owner's registered tree (their tensors are baked as constants)."""
 
     seen: set[int] = field(default_factory=set)
-    names: set[str] = field(default_factory=set)  # the names the user's functions and methods walked use
+    names: set[str] = field(default_factory=set)  # the names the user's own functions and methods walked use
     classes: set[type] = field(default_factory=set)  # the modules' classes whose methods' names are in ``names``
     attention: bool = False  # a module whose eager answer follows ``torch.backends.mha``'s fast-path flag
     reached: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
@@ -228,7 +228,7 @@ def _callable(fn: Any, walk: _Walk) -> list[Part]:
 
 
 def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
-    walk.names |= _code_names(fn)
+    walk.names |= _code_names(fn) if ours(fn) else set()
     parts = [Part(f"{fn.__qualname__}'s", fn, ("__defaults__", "__kwdefaults__", "__code__"),
                   operator.attrgetter("__defaults__", "__kwdefaults__", "__code__"),
                   (kept(fn.__defaults__), kept(fn.__kwdefaults__), fn.__code__), None, variables=True)]
