@@ -14,6 +14,7 @@ import threading
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -792,6 +793,8 @@ class _Holding(torch.nn.Module):
         self.held = held
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.held, np.ndarray):
+            return x * torch.from_numpy(self.held).float()
         return self.held(x) if callable(self.held) else _activated(x, self.held)
 
 
@@ -806,7 +809,8 @@ class _LockedAct:
     (_Act("relu"), _Act("identity"), [-1.0, 2.0, -3.0]),
     (_Scaling(1.0).apply, _Scaling(-1.0).apply, [1.0, -2.0, 3.0]),
     (_LockedAct("relu"), _LockedAct("identity"), [-1.0, 2.0, -3.0]),
-], ids=["object", "bound-method", "unreadable-object"])
+    (np.array([1.0, 1.0, 1.0]), np.array([1.0, -1.0, 1.0]), [-1.0, -2.0, -3.0]),
+], ids=["object", "bound-method", "unreadable-object", "numpy-array"])
 def test_trap_the_disk_cache_keys_a_modules_object_attribute_by_its_value(first, second, mixed_answer):
     # The key wrote a module's attribute holding a plain object as its class, and a bound method as
     # its function: a module holding _Act("identity") found the graph of one holding _Act("relu"),
@@ -841,3 +845,13 @@ def test_trap_the_attention_fast_path_setting_is_in_the_key():
             torch.testing.assert_close(other(x, src_key_padding_mask=padded), model(x, src_key_padding_mask=padded))
         finally:
             torch.backends.mha.set_fastpath_enabled(True)
+
+
+def test_a_modules_numpy_array_keys_the_cache_by_its_content():
+    # Unhashable, an array would key this process's object alone: a later process never found the graph.
+    zeros = torch.zeros(3)
+    with torch.no_grad():
+        cr.compile(_Holding(np.array([1.0, 2.0, 3.0])))(zeros)
+        same = cr.compile(_Holding(np.array([1.0, 2.0, 3.0])))
+        same(zeros)
+    assert "export" not in same.captures[0].phases  # restored: an equal array, another object
