@@ -119,14 +119,16 @@ def test_trainable_tensors_outside_modules_keep_their_gradient_after_serving(cas
     torch.testing.assert_close(leaf.grad, h.sum(0))
 
 
-def test_trap_one_evaluation_call_an_epoch_leaves_the_function_served_once_training_ends():
+@pytest.mark.parametrize("form", ["module", "function"])
+def test_trap_one_evaluation_call_an_epoch_leaves_the_function_served_once_training_ends(form):
     """A loop that evaluates one batch an epoch through ``f``: each capture's weights changed
     before it served a call, which spends the re-capture budget; once spent, the function fell
     back for good and stayed eager after training ended. While the weights keep changing between
-    calls it now waits, eagerly, and captures once they hold still over two calls in a row."""
+    calls it now waits, eagerly, and captures once they hold still over two calls in a row; a
+    function calling the model (a metric closing over it) fell back for good until this stop."""
     cr.config.recapture_limit = 2
     model = _model()
-    f = cr.compile(model)
+    f = cr.compile(model if form == "module" else lambda x: model(x))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     train, held_out = _batches(2)
     with warnings.catch_warnings():

@@ -52,7 +52,7 @@ class Lifecycle(Fallbacks):
         self.table: CacheTable = empty(0)
         self._inflight: set[tuple[int, CallKey]] = set()
         self._warned: set[str] = set()
-        self._still = weights.Stillness(target.owner)  # past a Settle: whether the weights hold still
+        self._still = weights.Stillness(target.owner, target.fn)  # past a Settle: whether the weights hold still
 
     def swap(self, table: CacheTable) -> None:
         """Install a new table (the caller holds the lock)."""
@@ -167,8 +167,7 @@ class Lifecycle(Fallbacks):
             return Eager(), call, table.generation
         decision = decide(table, call, target.options, target.owner)
         if isinstance(decision, Settle):
-            decision = decision.otherwise if target.owner is None else \
-                decision.plan if self._still.held() else Eager(decision.why)
+            decision = decision.plan if self._still.held() else Eager(decision.why)
         if isinstance(decision, CapturePlan):
             token = (table.generation, decision.call.key)
             if token in self._inflight or TARGETS.shared_here():
@@ -192,7 +191,7 @@ class Lifecycle(Fallbacks):
         """Run ``plan``'s call eagerly and capture it; the eager result is the call's."""
         with TARGETS.shared():
             before = staleness.snapshot(self.target, self.table.written)  # to tell what the target writes itself
-            weights_written = weights.written_later(self.target.owner)
+            weights_written = weights.written_later(self.target.owner, self.target.fn)
         ahead = restore.ahead(self.target, plan)  # the disk cache looked up beside the eager call
         given = self.target.held(args, kwargs)  # (outside the noting: our code reads no state of theirs)
         with reads.noted() as codes:  # the code the eager run runs: the names it can read

@@ -132,23 +132,31 @@ def _place(root: torch.nn.Module, name: str, tensor: torch.Tensor) -> tuple[dict
     return None
 
 
-def written_later(owner: torch.nn.Module | None) -> Callable[[], bool]:
-    """A check of whether a parameter or buffer of ``owner`` has been written in place, or
-    replaced (``load_state_dict(assign=True)``), since this call (another thread's training step
-    or checkpoint swap while a capture is made)."""
-    if owner is None:
+def written_later(owner: torch.nn.Module | None, target: Any = None) -> Callable[[], bool]:
+    """A check of whether a parameter or buffer of ``owner`` (without one: of the modules
+    ``target`` reaches, and the tensors it closes over) has been written in place, or replaced
+    (``load_state_dict(assign=True)``), since this call (another thread's training step or
+    checkpoint swap while a capture is made)."""
+    before = _held(owner, target)
+    if not before:
         return lambda: False
-    before = _held(owner)
 
     def written() -> bool:
-        now = _held(owner)
+        now = _held(owner, target)
         return len(now) != len(before) or any(t is not u or v != w for (t, v), (u, w) in zip(now, before))
 
     return written
 
 
-def _held(owner: torch.nn.Module) -> list[tuple[torch.Tensor, int | None]]:
-    return [(t, _version_of(t)) for t in (*owner.parameters(), *owner.buffers())]
+def _held(owner: torch.nn.Module | None, target: Any) -> list[tuple[torch.Tensor, int | None]]:
+    if owner is not None:
+        tensors = [*owner.parameters(), *owner.buffers()]
+    elif target is not None:  # a function calling a model it closes over or names: that model's weights
+        modules = [module for _, module in modules_reached(target, None)]
+        tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())] + [t for _, t in closure_tensors(target)]
+    else:
+        return []
+    return [(t, _version_of(t)) for t in tensors]
 
 
 STILL_CALLS = 2  # calls in a row that find the weights unwritten: they hold still (``Stillness``)
@@ -159,14 +167,14 @@ class Stillness:
     asked (``planning.Settle``: a loop that evaluates twice between steps captures nothing the next
     step would drop). The first call that asks finds nothing to compare with."""
 
-    def __init__(self, owner: torch.nn.Module | None) -> None:
-        self.owner = owner
+    def __init__(self, owner: torch.nn.Module | None, target: Any = None) -> None:
+        self.owner, self.target = owner, target
         self.last: Callable[[], bool] | None = None  # written since the last call that asked?
         self.calls = 0
 
     def held(self) -> bool:
         self.calls = self.calls + 1 if self.last is not None and not self.last() else 0
-        self.last = written_later(self.owner)
+        self.last = written_later(self.owner, self.target)
         return self.calls >= STILL_CALLS
 
 
