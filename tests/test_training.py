@@ -146,3 +146,33 @@ def test_trap_one_evaluation_call_an_epoch_leaves_the_function_served_once_train
                 torch.testing.assert_close(f(held_out), model(held_out))
     assert f.state is not cr.CompiledFunction.State.Fallback, f.fallback_reason
     assert sum(c.hits for c in f.captures) >= 1
+
+
+def _write_in_another_process(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model.weight.add_(1.0)
+
+
+@pytest.mark.parametrize("shared", ["before-compile", "after-capture"])
+def test_trap_weights_in_shared_memory_are_not_served_past_another_processs_writes(shared):
+    """Hogwild training (``model.share_memory()``, a worker process stepping it) moves no version
+    counter here: the evaluation through ``f`` kept serving the graph made before (a trial: 1.31
+    off). Shared weights run eagerly, said once."""
+    import torch.multiprocessing as mp
+
+    model = torch.nn.Linear(8, 4)
+    if shared == "before-compile":
+        model.share_memory()
+    f = cr.compile(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        f(x), f(x)
+        if shared == "after-capture":
+            model.share_memory()
+        worker = mp.get_context("fork").Process(target=_write_in_another_process, args=(model,))
+        worker.start()
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+        torch.testing.assert_close(f(x), model(x))
+    assert any("in shared memory" in str(w.message) for w in said), [str(w.message) for w in said]

@@ -147,6 +147,11 @@ class Lifecycle(Fallbacks):
             self._say_once(f"the parameters {staleness.listed(lent, repr)} hold plain tensors (torch.func."
                            "functional_call swaps them in for one call): such calls run eagerly, the graphs stay")
             return Eager(), None, table.generation
+        if (not table.captures or not table.fresh()) and (held := weights.shared(self.target.owner, self.target.fn)):
+            self._say_once(f"the weights {staleness.listed(held, repr)} are in shared memory (share_memory(), "
+                           "torch.multiprocessing): another process can write them unseen here, so calls run eagerly; "
+                           "compile a copy (copy.deepcopy(model)) to have them served")
+            return Eager(), None, table.generation
         if not table.captures and weights.uninitialized(self.target.owner):  # made by this eager call; the next captures
             return Eager(), None, table.generation
         if torch.is_grad_enabled() and reads_grad_mode(self.target.fn, self.target.owner):  # before any capture is dropped

@@ -288,6 +288,18 @@ def lent(owner: torch.nn.Module | None) -> list[str]:
             if p is not None and not isinstance(p, torch.nn.Parameter)]
 
 
+def shared(owner: torch.nn.Module | None, target: Any) -> list[str]:
+    """The parameters and buffers (of ``owner``, or of the modules ``target`` reaches) in shared
+    memory (``model.share_memory()``, torch.multiprocessing): another process writes them unseen
+    by this one's version counters (Hogwild training while this process evaluates)."""
+    if owner is not None:
+        named = [*owner.named_parameters(), *owner.named_buffers()]
+    else:
+        named = [(f"{where}.{name}", t) for where, module in modules_reached(target, None)
+                 for name, t in (*module.named_parameters(), *module.named_buffers())]
+    return [name for name, t in named if t.is_shared()]
+
+
 def uninitialized(owner: torch.nn.Module | None) -> bool:
     """Whether ``owner`` holds a lazy module's parameters or buffers not made yet (``nn.LazyLinear``
     before its first call, which makes them from the input's sizes)."""
