@@ -71,9 +71,11 @@ def logcumsumexp(self: Any, dim: int) -> Any:
     for k in range(steps):
         # 2**k positions of -inf before the axis' start, then the first `length` kept. On a dynamic
         # axis no more than `length`: padded by 2**30, one row took 4 GiB on every call.
-        shift = op.Constant(value_ints=[2 ** k]) if isinstance(size, int) else op.Min(length, op.Constant(value_ints=[2 ** k]))
+        shift = op.Constant(value_ints=[2 ** k])
+        shift = shift if isinstance(size, int) else op.Min(length, shift)
         pads = op.Mul(op.Constant(value_ints=at_dim), shift)
-        shifted = op.Slice(op.Pad(total, pads, lowest), op.Constant(value_ints=[0]), length, op.Constant(value_ints=[dim]))
+        shifted = op.Slice(op.Pad(total, pads, lowest), op.Constant(value_ints=[0]), length,
+                           op.Constant(value_ints=[dim]))
         total = logaddexp(total, shifted)
     return total
 

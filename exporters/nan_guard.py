@@ -78,8 +78,8 @@ def _is_finite_average(node: ir.Node) -> bool:
     if product is None or product.producer() is None or product.producer().op_type != "MatMul" or \
             test is None or test.op_type != "Or":
         return False
-    kinds = sorted((v.producer().op_type, v.producer().inputs[0] is product) if v is not None and v.producer() else ("", False)
-                   for v in test.inputs)
+    kinds = sorted((v.producer().op_type, v.producer().inputs[0] is product)
+                   if v is not None and v.producer() is not None else ("", False) for v in test.inputs)
     return kinds == [("IsInf", True), ("IsNaN", True)]
 
 

@@ -341,10 +341,12 @@ def adaptive_avg_pool2d(self: Any, output_size: Sequence[int]) -> Any:
     nan, above, below = op.IsNaN(self), op.IsInf(self, detect_negative=0), op.IsInf(self, detect_positive=0)
     zero = op.CastLike(op.Constant(value_float=0.0), self)
     average = pooled(op.Where(op.Or(nan, op.Or(above, below)), zero, self))
-    held_nan, held_above, held_below = (op.Greater(pooled(op.CastLike(mask, self)), zero) for mask in (nan, above, below))
+    held_nan, held_above, held_below = (op.Greater(pooled(op.CastLike(mask, self)), zero)
+                                        for mask in (nan, above, below))
     infinity = op.CastLike(op.Constant(value_float=math.inf), self)
     exact = op.Where(held_above, infinity, op.Where(held_below, op.Neg(infinity), average))
-    exact = op.Where(op.Or(held_nan, op.And(held_above, held_below)), op.CastLike(op.Constant(value_float=math.nan), self), exact)
+    undefined = op.Or(held_nan, op.And(held_above, held_below))  # a NaN, or both infinities
+    exact = op.Where(undefined, op.CastLike(op.Constant(value_float=math.nan), self), exact)
     return op.Where(op.Or(op.IsNaN(plain), op.IsInf(plain)), exact, plain)
 
 

@@ -42,7 +42,8 @@ RIGHT = [
     "bilinear scale 0.7 align_corners=False", "bicubic scale 2.3 align_corners=True",
     "trilinear scale 0.7 align_corners=True", "avg_pool2d 3/2 pad 1 ceil=True count_include_pad=False",
     "max_pool2d 3/2 pad 1 ceil=True", "Tensor.unfold 3/2", "F.unfold 3 stride 2 dilation 2 pad 1",
-    "nearest 2d scale 2.05", "pixel_unshuffle 2", "adaptive_avg_pool2d 3x5", "slice 2:-3:2", "narrow -4, 2", "pad reflect", "conv2d stride 2 dilation 2",
+    "nearest 2d scale 2.05",
+    "pixel_unshuffle 2", "adaptive_avg_pool2d 3x5", "slice 2:-3:2", "narrow -4, 2", "pad reflect", "conv2d stride 2 dilation 2",
 ]
 
 

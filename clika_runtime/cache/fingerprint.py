@@ -443,7 +443,8 @@ def _plain(value: Any, depth: int = 4) -> str:
     if isinstance(value, (torch.Tensor, torch.nn.Module)):  # keyed where they are read: weights, modules reached
         return type(value).__qualname__
     if isinstance(value, np.ndarray):  # anchors, a lookup table: by content
-        return f"ndarray({value.dtype},{value.shape},{hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:24]})"
+        content = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:24]
+        return f"ndarray({value.dtype},{value.shape},{content})"
     if hasattr(value, "__wrapped__"):  # a wrapper (``model.forward = cr.compile(model.forward)``): what it wraps
         return f"wrapping({_plain(value.__wrapped__, depth - 1)})"
     to_dict = getattr(value, "to_dict", None)

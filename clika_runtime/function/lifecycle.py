@@ -152,11 +152,11 @@ class Lifecycle(Fallbacks):
                            "torch.multiprocessing): another process can write them unseen here, so calls run eagerly; "
                            "compile a copy (copy.deepcopy(model)) to have them served")
             return Eager(), None, table.generation
-        if not table.captures and weights.uninitialized(self.target.owner):  # made by this eager call; the next captures
+        if not table.captures and weights.uninitialized(self.target.owner):  # this eager call makes them
             return Eager(), None, table.generation
-        if torch.is_grad_enabled() and reads_grad_mode(self.target.fn, self.target.owner):  # before any capture is dropped
-            self._say_once("the code reads torch.is_grad_enabled(), and graphs are traced under no_grad: calls in "
-                           "grad mode run eagerly; call under torch.no_grad() or torch.inference_mode() to have them served")
+        if torch.is_grad_enabled() and reads_grad_mode(self.target.fn, self.target.owner):  # no capture dropped
+            self._say_once("the code reads torch.is_grad_enabled(), and graphs are traced under no_grad: calls in grad "
+                           "mode run eagerly; call under torch.no_grad() or torch.inference_mode() to have them served")
             return Eager(), None, table.generation
         table = self.table = staleness.checked(table, self.target)
         if table.refused and not table.refused_still():  # m.float() after m.double() failed: try again

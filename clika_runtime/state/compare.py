@@ -174,8 +174,9 @@ def word(part: Part, key: str) -> str:
 def _same(old: Any, new: Any) -> bool:
     if old is new:
         return True
+    copied_subclass = type(old) in (list, set, tuple) and isinstance(new, type(old))  # kept as its base (_copied)
     if isinstance(old, (dict, list, set, tuple, str, bytes, int, float, complex, bool)) and (
-            type(old) is type(new) or type(old) in (list, set, tuple) and isinstance(new, type(old))):  # a copy of a subclass
+            type(old) is type(new) or copied_subclass):
         try:
             return bool(old == new)
         except Exception:  # containers holding arrays or tensors: not comparable by value

@@ -153,7 +153,8 @@ def _held(owner: torch.nn.Module | None, target: Any) -> list[tuple[torch.Tensor
         tensors = [*owner.parameters(), *owner.buffers()]
     elif target is not None:  # a function calling a model it closes over or names: that model's weights
         modules = [module for _, module in modules_reached(target, None)]
-        tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())] + [t for _, t in closure_tensors(target)]
+        tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+        tensors += [t for _, t in closure_tensors(target)]
     else:
         return []
     return [(t, _version_of(t)) for t in tensors]
