@@ -151,6 +151,8 @@ def test_trap_code_reading_grad_mode_is_not_served_the_other_modes_graph(target)
     with torch.inference_mode():
         torch.testing.assert_close(f(x), x * 3)
     assert f.recapture_count == 0 and f.state is State.Compiled and f.captures[0].hits == 2
+    with torch.no_grad():
+        assert f._lifecycle.table.fresh()  # the served call's check passes (the default dtype read inline was lost: 160x)
 
 
 class _TrainDoubles(torch.nn.Module):

@@ -231,9 +231,11 @@ def _fresh_check(parts: tuple[Part, ...], weights: Callable[[], bool], unusual: 
     readers = tuple(p.read for p in checked)
     read_from = tuple(p.container for p in checked)
     values = [p.values[0] if len(p.keys) == 1 else p.values for p in checked]  # a getter of one key: its value
-    inline = {id(p.container): p.values[0] for p in parts if p.container is RemovableHandle or p.container is torch}
-    handles, made = RemovableHandle, inline.get(id(RemovableHandle), RemovableHandle.next_id)  # as at the snapshot
-    default_dtype, dtype = torch.get_default_dtype, inline.get(id(torch), torch.get_default_dtype())
+    # Read inline, by what they watch (torch's other switches are parts of their own: grad mode).
+    inline = {p.keys: p.values[0] for p in parts if p.container is RemovableHandle and p.keys == ("next_id",)
+              or p.container is torch and p.keys == ("default dtype",)}
+    handles, made = RemovableHandle, inline.get(("next_id",), RemovableHandle.next_id)  # as at the snapshot
+    default_dtype, dtype = torch.get_default_dtype, inline.get(("default dtype",), torch.get_default_dtype())
 
     def fresh() -> bool:
         try:
