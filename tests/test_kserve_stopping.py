@@ -111,3 +111,68 @@ def test_trap_a_stop_stuck_anywhere_ends_the_process_within_its_deadline(tmp_pat
     assert took < 10, f"{took:.1f} s"
     assert "the stop did not end within 1 s" in result.stderr and "stuck.py" in result.stderr, result.stderr[-2000:]
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+_TWO_SIGNALS = textwrap.dedent("""
+    import os, signal, threading, time
+    from clika_runtime.kserve.stopping import Stop
+
+    def run_like():  # deployment.run's shape
+        stop = Stop(deadline_s=5.0)
+        try:
+            stop.install()
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stop.ignore()
+            try:
+                print("shut down", flush=True)
+            finally:
+                stop.restore()
+
+    def send():
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send).start()
+    run_like()
+    print("returned", flush=True)
+""")
+
+
+def test_trap_a_ctrl_c_and_a_sigterm_together_still_shut_down(tmp_path):
+    """The second signal's ``Stopped`` was raised inside the stop's own ``finally``, before the
+    signals were ignored: the shutdown never ran and the stop escaped as an exception (an attack)."""
+    result = _run_script(tmp_path, "two_signals", _TWO_SIGNALS, timeout=30)
+    assert (result.returncode, result.stdout) == (0, "shut down\nreturned\n"), result.stderr[-2000:]
+
+
+_FORKED = textwrap.dedent("""
+    import os, signal, time
+    from clika_runtime.kserve.stopping import Stop
+
+    stop = Stop(deadline_s=1.0)
+    stop.install()
+    child = os.fork()
+    if child == 0:  # a multiprocessing worker forked without exec
+        try:
+            time.sleep(30)
+        except BaseException:
+            pass
+        os._exit(0)
+    time.sleep(0.3)
+    os.kill(child, signal.SIGTERM)  # the child's stop, not ours
+    os.waitpid(child, 0)
+    time.sleep(2.0)  # past our deadline, had the child's signal started our clock
+    print(stop.requested, flush=True)
+    stop.restore()
+""")
+
+
+def test_trap_a_signal_to_a_forked_child_is_not_the_parents_stop(tmp_path):
+    """A child forked without exec inherited the wakeup fd and the pair it writes to: a SIGTERM to
+    the child alone started the parent's clock, which ended the parent (an attack)."""
+    result = _run_script(tmp_path, "forked", _FORKED, timeout=30)
+    assert (result.returncode, result.stdout) == (0, "False\n"), (result.stdout, result.stderr[-2000:])

@@ -25,7 +25,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator, NoReturn
+import weakref
+from typing import Any, Iterator
 
 logger = logging.getLogger("clika_runtime")
 
@@ -49,7 +50,7 @@ class Stop:
         self._clock: threading.Timer | None = None
         self._lock = threading.Lock()
         self._over = False
-        self._hearing: tuple[int, socket.socket] | None = None
+        self._hearing: tuple[int, socket.socket, socket.socket] | None = None  # wakeup fd before, writer, reader
         self._unraisable = sys.unraisablehook
         self.requested = False
 
@@ -70,10 +71,11 @@ class Stop:
             if self._clock is not None:
                 self._clock.cancel()
         if self._hearing is not None:
-            previous, writer = self._hearing
+            previous, writer, _ = self._hearing
             signal.set_wakeup_fd(previous)
             writer.close()  # the listening thread reads the end of its stream and returns
             self._hearing = None
+            _HEARING.discard(self)
         for s, handler in self._previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         sys.unraisablehook = self._unraisable
@@ -89,12 +91,13 @@ class Stop:
             time.sleep(0.5)  # a signal cuts the sleep short; the bound covers a swallowed stop
         raise Stopped
 
-    def _interrupt(self, signum: int, frame: Any) -> NoReturn:
-        self.requested = True
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        first, self.requested = not self.requested, True
         if self._hearing is not None:  # heard already, unless something replaced the wakeup fd
             with contextlib.suppress(OSError):
                 self._hearing[1].send(bytes([signum]))
-        raise Stopped
+        if first:  # a second signal (Ctrl-C then SIGTERM) raised in the stop's own finally, skipping the shutdown
+            raise Stopped
 
     def _drop_stops(self, unraisable: Any) -> None:
         """Say nothing of a stop dropped on its way (Python prints an exception raised in an
@@ -108,8 +111,21 @@ class Stop:
         waits in C for seconds."""
         reader, writer = socket.socketpair()
         writer.setblocking(False)  # as set_wakeup_fd requires: a full buffer drops bytes, never blocks
-        self._hearing = (signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False), writer)
+        self._hearing = (signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False), writer, reader)
+        _HEARING.add(self)
         threading.Thread(target=self._listen, args=(reader,), name="clika-runtime stop", daemon=True).start()
+
+    def _forget(self) -> None:
+        """In a forked child: its signals are its own (it inherits the wakeup fd and both ends of the
+        pair: a SIGTERM to the child ended the parent), and the parent's reader sees the end of its
+        stream once the parent closes its writer."""
+        if self._hearing is not None:
+            previous, writer, reader = self._hearing
+            with contextlib.suppress(ValueError, OSError):  # forked from another thread: not the main one
+                signal.set_wakeup_fd(previous)
+            writer.close()
+            reader.close()
+            self._hearing = None
 
     def _listen(self, reader: socket.socket) -> None:
         with reader:
@@ -143,6 +159,18 @@ def _cut_short(seconds: float, spare: set[Any]) -> None:
     with contextlib.suppress(Exception):
         reap(spare, 0.2)
     os._exit(0)
+
+
+_HEARING: "weakref.WeakSet[Stop]" = weakref.WeakSet()  # the stops listening in this process
+
+
+def _forget_in_child() -> None:
+    for stop in list(_HEARING):
+        stop._forget()
+    _HEARING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class Stopped(KeyboardInterrupt):
