@@ -855,3 +855,46 @@ def test_a_modules_numpy_array_keys_the_cache_by_its_content():
         same = cr.compile(_Holding(np.array([1.0, 2.0, 3.0])))
         same(zeros)
     assert "export" not in same.captures[0].phases  # restored: an equal array, another object
+
+
+class _AnyName:
+    """An attribute-style config: unset names read as None (its ``__getattr__`` answers any name)."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+
+    def __getattr__(self, name: str):
+        return None
+
+
+@dataclasses.dataclass
+class _Derived:
+    """A dataclass whose limit comes through an InitVar: not one of its fields."""
+
+    name: str
+    limit_in: dataclasses.InitVar[float] = 1.0
+
+    def __post_init__(self, limit_in: float) -> None:
+        self.limit = limit_in
+
+
+class _Clamped(torch.nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(max=self.cfg.limit)
+
+
+@pytest.mark.parametrize("config", [_AnyName, lambda limit: _Derived("a", limit)], ids=["getattr", "initvar"])
+def test_trap_a_config_read_past_its_fields_keys_the_cache_by_its_values(config):
+    # An attribute-style config keyed as "wrapping(None)" (asked for __wrapped__, it answered), and
+    # a dataclass by its fields alone: limit 3 restored limit 2's graph (an attack: 2.0 for 3.0).
+    ones, tens = torch.ones(3), torch.full((3,), 10.0)
+    with torch.no_grad():
+        cr.compile(_Clamped(config(2.0)))(ones)
+        other = cr.compile(_Clamped(config(3.0)))
+        other(ones)
+        assert "export" in other.captures[0].phases  # its own graph
+        assert other(tens).tolist() == [3.0, 3.0, 3.0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -123,13 +124,23 @@ def _times(x, k):
     return x * k
 
 
+@dataclasses.dataclass
+class _Derived:
+    name: str
+    k_in: dataclasses.InitVar[float] = 1.0
+
+    def __post_init__(self, k_in: float) -> None:
+        self.k = k_in  # not a field: set from an InitVar
+
+
 @pytest.mark.parametrize("make", [
     _Scale,
     lambda k: _Mode("a" * int(k)),
     lambda k: functools.partial(_times, k=k),
     lambda k: functools.partial(_times, k),
     _Slotted,
-], ids=["float subclass", "str subclass", "partial keyword", "partial positional", "slots"])
+    lambda k: _Derived("same", k),
+], ids=["float subclass", "str subclass", "partial keyword", "partial positional", "slots", "dataclass initvar"])
 def test_trap_statics_whose_value_is_not_in_their_dict_key_by_their_value(make):
     # A float or str subclass, a partial and a slotted object were keyed by their (empty) __dict__:
     # f(x, Scale(5.0)) was served Scale(1.0)'s graph, 1.0 where eager gives 5.0 (found by a trial).
@@ -138,6 +149,8 @@ def test_trap_statics_whose_value_is_not_in_their_dict_key_by_their_value(make):
             return s(x)
         if isinstance(s, _Slotted):
             return x * s._Slotted__hidden
+        if isinstance(s, _Derived):
+            return x * s.k
         return x * (len(s) if isinstance(s, str) else s)
 
     f = cr.compile(fn)

@@ -41,7 +41,7 @@ from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.target import Target
 from clika_runtime.state.walk import filled, global_names, modules_reached
 from clika_runtime.state.weights import closure_tensors
-from clika_runtime.trees.key import Unkeyable, static_value
+from clika_runtime.trees.key import static_value
 
 # id(storage) -> (a weak reference to it, {view: (the tensor's version when hashed, the digest)}).
 _DIGESTS: dict[int, tuple[weakref.ref, dict[tuple, tuple[int | None, str]]]] = {}
@@ -445,19 +445,25 @@ def _plain(value: Any, depth: int = 4) -> str:
     if isinstance(value, np.ndarray):  # anchors, a lookup table: by content
         content = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:24]
         return f"ndarray({value.dtype},{value.shape},{content})"
-    if hasattr(value, "__wrapped__"):  # a wrapper (``model.forward = cr.compile(model.forward)``): what it wraps
-        return f"wrapping({_plain(value.__wrapped__, depth - 1)})"
-    to_dict = getattr(value, "to_dict", None)
+    try:
+        return _object(value, depth)
+    except Exception:  # fields that cannot be read as values, or that raise: this process's object alone
+        return f"{type(value).__qualname__} of process {os.getpid()} at {id(value):x}"
+
+
+def _object(value: Any, depth: int) -> str:
+    """An object as ``_plain`` writes it; raises where its value cannot be read."""
+    wrapped = vars(value).get("__wrapped__") if isinstance(getattr(value, "__dict__", None), dict) else None
+    if wrapped is not None and wrapped is not value and depth > 0:  # ``model.forward = cr.compile(model.forward)``
+        return f"wrapping({_plain(wrapped, depth - 1)})"  # (its own: a config's __getattr__ answers any name)
+    to_dict = getattr(type(value), "to_dict", None)
     if callable(to_dict):
         try:  # a transformers config leaves out the attention implementation, which changes the graph
-            return repr(sorted((str(k), repr(v)) for k, v in to_dict().items())) + \
+            return repr(sorted((str(k), repr(v)) for k, v in value.to_dict().items())) + \
                 repr(getattr(value, "_attn_implementation", None))
         except Exception:  # a to_dict that needs arguments: read as any other object below
             pass
-    try:  # an object by the value of its fields, as a static argument is keyed
-        return _stable(static_value(value))
-    except Unkeyable:  # fields that cannot be read as values: this process's object alone
-        return f"{type(value).__qualname__} of process {os.getpid()} at {id(value):x}"
+    return _stable(static_value(value))  # by the value of its fields, as a static argument is keyed
 
 
 def _callable(value: Any, depth: int) -> str:

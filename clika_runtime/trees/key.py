@@ -169,8 +169,10 @@ def _by_value(value: Any, depth: int) -> Hashable:
         return (kind, tuple(_by_value(v, depth - 1) for v in _capped(items, kind)))
     if isinstance(value, dict):  # keys by type too: {1: ...} and {True: ...} are one dict to ==
         return (kind, tuple((_by_value(k, depth - 1), _by_value(v, depth - 1)) for k, v in _capped(value.items(), kind)))
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value):  # its fields, and what __post_init__ set from an InitVar
+        names = {f.name for f in dataclasses.fields(value)}
         fields = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+        fields += [(k, v) for k, v in getattr(value, "__dict__", {}).items() if k not in names]
         return (kind, tuple((k, _by_value(v, depth - 1)) for k, v in _capped(fields, kind)))
     return (kind, _attributes(value, kind, depth))
 
