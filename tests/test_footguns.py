@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+from torch import is_grad_enabled as _grad_on
 from conftest import Counted, current
 
 import clika_runtime as cr
@@ -137,7 +138,23 @@ def _grad_branch(x):
     return x * 2 if torch.is_grad_enabled() else x * 3
 
 
-@pytest.mark.parametrize("target", [_GradBranches(), _grad_branch], ids=["module", "function"])
+def _aliased_branch(x):
+    return x * 2 if _grad_on() else x * 3
+
+
+class _CallableBranch:
+    def __call__(self, x):
+        return x * 2 if torch.is_grad_enabled() else x * 3
+
+
+def _closing_over_a_helper():
+    helper = _grad_branch
+    return lambda x: helper(x)
+
+
+@pytest.mark.parametrize("target", [_GradBranches(), _grad_branch, _aliased_branch, _CallableBranch(),
+                                    _closing_over_a_helper()],
+                         ids=["module", "function", "aliased", "callable-object", "closure"])
 def test_trap_code_reading_grad_mode_is_not_served_the_other_modes_graph(target):
     # Captured under no_grad, a call in grad mode (nothing requiring grad) was served the no_grad
     # branch (a trial: 0.88 off). Graphs are traced under no_grad: grad-mode calls run eagerly,
@@ -146,13 +163,30 @@ def test_trap_code_reading_grad_mode_is_not_served_the_other_modes_graph(target)
     x = torch.ones(3)
     with torch.no_grad():
         f(x), f(x)
-    with pytest.warns(UserWarning, match=r"reads torch.is_grad_enabled\(\)"):
+    with pytest.warns(UserWarning, match="asks whether grad mode is on"):
         torch.testing.assert_close(f(x), x * 2)
     with torch.inference_mode():
         torch.testing.assert_close(f(x), x * 3)
     assert f.recapture_count == 0 and f.state is State.Compiled and f.captures[0].hits == 2
     with torch.no_grad():
         assert f._lifecycle.table.fresh()  # the served call's check passes (the default dtype read inline was lost: 160x)
+
+
+def _inference_branch(x):
+    return x * 2 if torch.is_inference_mode_enabled() else x * 3
+
+
+def test_trap_code_reading_inference_mode_is_not_served_the_no_grad_graph():
+    # Captured under no_grad, a call under inference_mode was served the other branch (an attack).
+    f = cr.compile(_inference_branch)
+    x = torch.ones(3)
+    with torch.no_grad():
+        f(x), f(x)
+    with torch.inference_mode(), pytest.warns(UserWarning, match="asks whether inference mode is on"):
+        torch.testing.assert_close(f(x), x * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), x * 3)
+    assert f.recapture_count == 0 and f.captures[0].hits == 2
 
 
 class _TrainDoubles(torch.nn.Module):

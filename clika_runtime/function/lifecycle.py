@@ -36,7 +36,7 @@ from clika_runtime.function.table import (CacheTable, State, empty, noted, retry
                                           without)
 from clika_runtime.state import reads, weights
 from clika_runtime.state.snapshot import Snapshot, hook_containers
-from clika_runtime.state.walk import reads_grad_mode
+from clika_runtime.state.walk import modes_read
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
 from clika_runtime.trees.key import CallKey, Unkeyable
@@ -154,9 +154,10 @@ class Lifecycle(Fallbacks):
             return Eager(), None, table.generation
         if not table.captures and weights.uninitialized(self.target.owner):  # this eager call makes them
             return Eager(), None, table.generation
-        if torch.is_grad_enabled() and reads_grad_mode(self.target.fn, self.target.owner):  # no capture dropped
-            self._say_once("the code reads torch.is_grad_enabled(), and graphs are traced under no_grad: calls in grad "
-                           "mode run eagerly; call under torch.no_grad() or torch.inference_mode() to have them served")
+        if (mode := _in_a_mode_read(self.target)) is not None:  # before any capture is dropped
+            self._say_once(f"the code asks whether {mode} mode is on, and graphs are traced under no_grad, outside "
+                           f"inference mode: calls in {mode} mode run eagerly; call under torch.no_grad() to have "
+                           "them served")
             return Eager(), None, table.generation
         table = self.table = staleness.checked(table, self.target)
         if table.refused and not table.refused_still():  # m.float() after m.double() failed: try again
@@ -346,6 +347,17 @@ def _changed(owner: torch.nn.Module | None, call: Call, attempt: degrade.Attempt
     if attempt.restored and weights_written():
         return "model changed while capturing: weights written in place or replaced"
     return None
+
+
+def _in_a_mode_read(target: Target) -> str | None:
+    """The mode this call is in that the target's code asks about (``MODE_READERS``), if any: a
+    graph answers for no_grad outside inference mode only."""
+    on = [mode for mode, is_on in (("grad", torch.is_grad_enabled), ("inference", torch.is_inference_mode_enabled))
+          if is_on()]
+    if not on:
+        return None
+    read = modes_read(target.fn, target.owner)
+    return next((mode for mode in on if mode in read), None)
 
 
 def _switched(owner: torch.nn.Module | None, call: Call) -> bool:

@@ -34,8 +34,12 @@ import torch
 from clika_runtime.base.libraries import body_values, ours
 from clika_runtime.state.compare import COPIED, MODULE_HOOKS, MODULE_INTERNALS, MODULE_PRIVATE, Part, cells_part, dict_part, kept
 
-_GRAD_MODE = "is_grad_enabled"
-_CALLED_DEPTH = 2  # levels of the user's functions followed from a forward, for the names they use
+# The names by which code asks torch's modes, by mode: a graph is traced under no_grad, outside
+# inference mode, and answers for that branch only.
+MODE_READERS = {"grad": frozenset({"is_grad_enabled"}),
+                "inference": frozenset({"is_inference_mode_enabled", "is_inference"})}
+_READERS = {torch.is_grad_enabled: "is_grad_enabled", torch.is_inference_mode_enabled: "is_inference_mode_enabled"}
+_CALLED_DEPTH = 3  # levels of the user's functions followed from a forward, for the names they use
 _DEPTH = 2  # levels of attribute-carrying objects watched below a module
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 _CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
@@ -63,14 +67,18 @@ def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], "_Wa
     else:
         for layer in _unwrapped(fn):
             parts += _callable(layer, walk)
-    flags = ([_grad_mode()] if _GRAD_MODE in walk.names else []) + ([_fast_path()] if walk.attention else [])
+    modes = _modes(walk.names)
+    flags = ([_modes_part(modes)] if modes else []) + ([_fast_path()] if walk.attention else [])
     return parts + _global_hooks() + [_default_dtype()] + flags, walk
 
 
-def reads_grad_mode(fn: Any, owner: torch.nn.Module | None) -> bool:
-    """Whether the user's code ``fn`` runs names ``torch.is_grad_enabled``: a graph, traced under
-    ``no_grad``, answers for that mode only."""
-    return _GRAD_MODE in parts_read(fn, owner)[1].names
+def modes_read(fn: Any, owner: torch.nn.Module | None) -> frozenset[str]:
+    """The modes (``MODE_READERS``) the user's code ``fn`` runs asks torch for."""
+    return _modes(parts_read(fn, owner)[1].names)
+
+
+def _modes(names: set[str]) -> frozenset[str]:
+    return frozenset(mode for mode, readers in MODE_READERS.items() if readers & names)
 
 
 def modules_reached(fn: Any, owner: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:
@@ -213,6 +221,7 @@ def _callable(fn: Any, walk: _Walk) -> list[Part]:
     if isinstance(fn, torch.nn.Module):
         return _held(fn, "module", walk)
     if isinstance(fn, functools.partial):
+        walk.names |= {_READERS[v] for v in (*fn.args, *fn.keywords.values()) if _is_reader(v)}
         parts = [Part("the partial's", fn, ("args", "keywords"), operator.attrgetter("args", "keywords"),
                       (kept(fn.args), kept(fn.keywords)), None, variables=True)]
         return parts + _held(fn.args, "argument", walk) + _held(fn.keywords, "keyword", walk)
@@ -224,6 +233,7 @@ def _callable(fn: Any, walk: _Walk) -> list[Part]:
         held, name = (None if hasattr(fn, "__wrapped__") else fn), "the callable object"
     if held is not None and not isinstance(held, _CODE + _CONTAINERS) and isinstance(getattr(held, "__dict__", None), dict):
         parts += _objects(held, name, walk, _DEPTH)
+        walk.names |= _method_names(type(held))  # a callable object's __call__ and the methods it calls
     return parts
 
 
@@ -284,16 +294,27 @@ def _get_default_dtype(_: Any) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def _grad_mode() -> Part:
-    """Grad mode, for code that reads it (``y * 2 if torch.is_grad_enabled() else y``): a call with
-    frozen weights is served in either mode, so a graph traced under ``no_grad`` served the other
-    branch. Watched only where the user's code names ``is_grad_enabled``; torch's modules read
-    it only beside weights that require grad, calls that run eagerly."""
-    return Part("torch's", torch, ("grad mode",), _get_grad_mode, (torch.is_grad_enabled(),), None, variables=True)
+def _modes_part(modes: frozenset[str]) -> Part:
+    """Grad and inference mode, for code that asks (``y * 2 if torch.is_grad_enabled() else y``): a
+    call with frozen weights is served in any of them, so a graph traced under ``no_grad`` served
+    the other branch. Watched only where the user's code asks; torch's modules ask for grad mode
+    only beside weights that require grad, calls that run eagerly."""
+    keys = tuple(f"{mode} mode" for mode in sorted(modes))
+    read = _get_modes if len(keys) == 2 else _get_grad_mode if "grad" in modes else _get_inference_mode
+    return Part("torch's", torch.autograd, keys, read, read(None) if len(keys) == 2 else (read(None),), None,
+                variables=True)
+
+
+def _get_modes(_: Any) -> tuple[bool, bool]:
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
 def _get_grad_mode(_: Any) -> bool:
     return torch.is_grad_enabled()
+
+
+def _get_inference_mode(_: Any) -> bool:
+    return torch.is_inference_mode_enabled()
 
 
 def _fast_path() -> Part:
@@ -315,19 +336,32 @@ def _method_names(cls: type) -> set[str]:
 
 
 def _code_names(fn: types.FunctionType, depth: int = _CALLED_DEPTH) -> set[str]:
-    """Every global and attribute name ``fn``'s code (and the functions it defines) uses, and those
-    of the user's functions it names as globals, ``depth`` calls down (``forward`` calling a helper)."""
+    """Every global and attribute name ``fn``'s code (and the functions it defines) uses, a torch
+    mode reader it holds under another name (``from torch import is_grad_enabled as on``, in a
+    closure), and the names of the user's functions it reaches, ``depth`` calls down: named as
+    globals, attributes of the user's modules (``helpers.probe()``) or closed over."""
     names, codes = set(), [fn.__code__]
     while codes:
         code = codes.pop()
         names.update(code.co_names)
         codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    held = [fn.__globals__.get(name) for name in set(global_names(fn.__code__))]
+    held += [cell.cell_contents for cell in fn.__closure__ or () if filled(cell)]
+    held += [getattr(module, name, None) for module in held if isinstance(module, types.ModuleType) and ours(module)
+             for name in names]
+    names |= {_READERS[value] for value in held if _is_reader(value)}
     if depth > 0:
-        for name in set(global_names(fn.__code__)):
-            called = fn.__globals__.get(name)
+        for called in held:
             if isinstance(called, types.FunctionType) and called is not fn and ours(called):
                 names |= _code_names(called, depth - 1)
     return names
+
+
+def _is_reader(value: Any) -> bool:
+    try:
+        return value in _READERS
+    except Exception:  # unhashable, or a __hash__ or __eq__ of its own that raises
+        return False
 
 
 def _sized(name: str, hooks: dict) -> Part:
