@@ -152,9 +152,37 @@ def _closing_over_a_helper():
     return lambda x: helper(x)
 
 
+class _StaticAsks(torch.nn.Module):
+    @staticmethod
+    def adjust(x):
+        return x * 2 if torch.is_grad_enabled() else x * 3
+
+    def forward(self, x):
+        return self.adjust(x)
+
+
+class _HelperAsks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.helper = _CallableBranch()  # a plain object held as an attribute
+
+    def forward(self, x):
+        return self.helper(x)
+
+
+class _HookAsks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_forward_hook(lambda module, args, out: out * 2 if torch.is_grad_enabled() else out * 3)
+
+    def forward(self, x):
+        return x
+
+
 @pytest.mark.parametrize("target", [_GradBranches(), _grad_branch, _aliased_branch, _CallableBranch(),
-                                    _closing_over_a_helper()],
-                         ids=["module", "function", "aliased", "callable-object", "closure"])
+                                    _closing_over_a_helper(), _StaticAsks(), _HelperAsks(), _HookAsks()],
+                         ids=["module", "function", "aliased", "callable-object", "closure", "staticmethod",
+                              "helper-object", "hook"])
 def test_trap_code_reading_grad_mode_is_not_served_the_other_modes_graph(target):
     # Captured under no_grad, a call in grad mode (nothing requiring grad) was served the no_grad
     # branch (a trial: 0.88 off). Graphs are traced under no_grad: grad-mode calls run eagerly,
@@ -170,6 +198,35 @@ def test_trap_code_reading_grad_mode_is_not_served_the_other_modes_graph(target)
     assert f.recapture_count == 0 and f.state is State.Compiled and f.captures[0].hits == 2
     with torch.no_grad():
         assert f._lifecycle.table.fresh()  # the served call's check passes (the default dtype read inline was lost: 160x)
+
+
+class _AsksOutsideItsForward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_inference = True  # an attribute called like the tensor method
+        self.fc = torch.nn.Linear(3, 3).requires_grad_(False)
+
+    def fit_step(self, x):  # a training method the forward never calls
+        return self.fc(x) if torch.is_grad_enabled() else None
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_code_that_asks_about_modes_outside_the_forward_is_served_in_every_mode():
+    # The walk read every method and attribute name: a training step asking for grad mode, or an
+    # attribute called is_inference, made grad-mode and inference-mode calls eager (an attack).
+    model = _AsksOutsideItsForward()
+    f = cr.compile(model)
+    x = torch.ones(2, 3)
+    with torch.no_grad():
+        f(x), f(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(f(x), model(x))
+        with torch.inference_mode():
+            torch.testing.assert_close(f(x), model(x))
+    assert f.captures[0].hits == 3
 
 
 def _inference_branch(x):

@@ -176,3 +176,63 @@ def test_trap_a_signal_to_a_forked_child_is_not_the_parents_stop(tmp_path):
     the child alone started the parent's clock, which ended the parent (an attack)."""
     result = _run_script(tmp_path, "forked", _FORKED, timeout=30)
     assert (result.returncode, result.stdout) == (0, "False\n"), (result.stdout, result.stderr[-2000:])
+
+
+_HEARD_FIRST = textwrap.dedent("""
+    import hashlib, os, signal, threading
+    from clika_runtime.kserve.stopping import Stop, Stopped
+
+    stop = Stop(deadline_s=30)
+    stop.install()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    data = b"x" * (1 << 28)
+    try:
+        for _ in range(4):
+            hashlib.sha256(data).digest()  # in C, the GIL released: the listening thread hears it first
+        for _ in range(1000):
+            pass
+        print("not raised", flush=True)
+    except Stopped:
+        print("raised", flush=True)
+    finally:
+        stop.restore()
+""")
+
+
+def test_trap_the_first_signal_raises_when_the_listening_thread_heard_it_first(tmp_path):
+    """The thread that hears the wakeup fd set the flag before the handler ran, which then took the
+    signal for a second one and raised nothing (an attack)."""
+    result = _run_script(tmp_path, "heard_first", _HEARD_FIRST, timeout=60)
+    assert (result.returncode, result.stdout) == (0, "raised\n"), result.stderr[-2000:]
+
+
+_IN_RESTORE = textwrap.dedent("""
+    import os, signal, time
+    from clika_runtime.kserve.stopping import Stop, Stopped
+
+    stop = Stop(deadline_s=30)
+    stop.install()
+    real = signal.set_wakeup_fd
+
+    def timed(*args, **kwargs):  # a Ctrl-C arriving while restore() runs
+        done = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return done
+
+    signal.set_wakeup_fd = timed
+    stop.restore()
+    signal.set_wakeup_fd = real
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)
+        print("swallowed", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+""")
+
+
+def test_trap_a_signal_while_restoring_leaves_the_previous_handlers_in_place(tmp_path):
+    """A signal inside ``restore()`` raised half-way: the stop's handler stayed installed and every
+    later Ctrl-C was swallowed (an attack)."""
+    result = _run_script(tmp_path, "in_restore", _IN_RESTORE, timeout=60)
+    assert (result.returncode, result.stdout) == (0, "interrupted\n"), result.stderr[-2000:]

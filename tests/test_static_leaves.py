@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 
 import pytest
 import torch
@@ -158,3 +159,29 @@ def test_trap_statics_whose_value_is_not_in_their_dict_key_by_their_value(make):
     with torch.no_grad():
         for k in (1.0, 5.0, 5.0, 2.0):
             torch.testing.assert_close(f(x, make(k)), fn(x, make(k)))
+
+
+@dataclasses.dataclass
+class _Table:
+    size: int = 4
+
+    @functools.cached_property
+    def entries(self) -> list:  # made from the fields, filled by the first call
+        return list(range(1000))
+
+    def __post_init__(self) -> None:
+        self.lock = threading.Lock()  # set up beside the fields: not part of the value
+
+
+def test_a_dataclass_static_is_keyed_past_its_cached_properties_and_locks():
+    # Reading a dataclass's attributes beyond its fields (an InitVar's value) read a filled
+    # cached_property too: a large one left every later call unkeyable, eager (an attack).
+    def fn(x, table):
+        return x * len(table.entries) * table.size
+
+    f = cr.compile(fn)
+    table, x = _Table(), torch.ones(3)
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(f(x, table), fn(x, table))
+    assert len(f.captures) == 1 and f.captures[0].hits == 3

@@ -53,6 +53,7 @@ class Lifecycle(Fallbacks):
         self._inflight: set[tuple[int, CallKey]] = set()
         self._warned: set[str] = set()
         self._still = weights.Stillness(target.owner, target.fn)  # past a Settle: whether the weights hold still
+        self._modes: tuple[int, frozenset[str]] | None = None  # the generation, the modes its code asks about
 
     def swap(self, table: CacheTable) -> None:
         """Install a new table (the caller holds the lock)."""
@@ -147,14 +148,7 @@ class Lifecycle(Fallbacks):
             self._say_once(f"the parameters {staleness.listed(lent, repr)} hold plain tensors (torch.func."
                            "functional_call swaps them in for one call): such calls run eagerly, the graphs stay")
             return Eager(), None, table.generation
-        if (not table.captures or not table.fresh()) and (held := weights.shared(self.target.owner, self.target.fn)):
-            self._say_once(f"the weights {staleness.listed(held, repr)} are in shared memory (share_memory(), "
-                           "torch.multiprocessing): another process can write them unseen here, so calls run eagerly; "
-                           "compile a copy (copy.deepcopy(model)) to have them served")
-            return Eager(), None, table.generation
-        if not table.captures and weights.uninitialized(self.target.owner):  # this eager call makes them
-            return Eager(), None, table.generation
-        if (mode := _in_a_mode_read(self.target)) is not None:  # before any capture is dropped
+        if (mode := self._in_a_mode_read(table)) is not None:  # before any capture is dropped
             self._say_once(f"the code asks whether {mode} mode is on, and graphs are traced under no_grad, outside "
                            f"inference mode: calls in {mode} mode run eagerly; call under torch.no_grad() to have "
                            "them served")
@@ -171,6 +165,13 @@ class Lifecycle(Fallbacks):
         if torch.is_grad_enabled() and (needing := weights.needing_grad(target.fn, target.owner)):
             self._say_once(differentiating(needing))
             return Eager(), call, table.generation
+        if not table.captures and weights.uninitialized(target.owner):  # this eager call makes them
+            return Eager(), call, table.generation
+        if held := weights.shared(target.owner, target.fn):  # (served calls: share_memory() moved the weights)
+            self._say_once(f"the weights {staleness.listed(held, repr)} are in shared memory (share_memory(), "
+                           "torch.multiprocessing): another process can write them unseen here, so calls run eagerly; "
+                           "compile a copy (copy.deepcopy(model)) to have them served")
+            return Eager(), call, table.generation
         decision = decide(table, call, target.options, target.owner)
         if isinstance(decision, Settle):
             decision = decision.plan if self._still.held() else Eager(decision.why)
@@ -181,6 +182,22 @@ class Lifecycle(Fallbacks):
                 return Eager(), call, table.generation
             self._inflight.add(token)
         return decision, call, table.generation
+
+    def _in_a_mode_read(self, table: CacheTable) -> str | None:
+        """The mode this call is in that the target's code asks about (``MODE_READERS``), if any:
+        a graph answers for no_grad outside inference mode only. Read from the captures' snapshot,
+        else walked once per ``reset()`` (a training loop's calls in grad mode walked it on each)."""
+        on = [mode for mode, is_on in (("grad", torch.is_grad_enabled), ("inference", torch.is_inference_mode_enabled))
+              if is_on()]
+        if not on:
+            return None
+        if table.captures:
+            read = table.snapshot.modes()
+        else:
+            if self._modes is None or self._modes[0] != table.generation:
+                self._modes = (table.generation, modes_read(self.target.fn, self.target.owner))
+            read = self._modes[1]
+        return next((mode for mode in on if mode in read), None)
 
     def _serve(self, capture: Capture, call: Call, args: tuple, kwargs: dict) -> Any:
         try:
@@ -347,17 +364,6 @@ def _changed(owner: torch.nn.Module | None, call: Call, attempt: degrade.Attempt
     if attempt.restored and weights_written():
         return "model changed while capturing: weights written in place or replaced"
     return None
-
-
-def _in_a_mode_read(target: Target) -> str | None:
-    """The mode this call is in that the target's code asks about (``MODE_READERS``), if any: a
-    graph answers for no_grad outside inference mode only."""
-    on = [mode for mode, is_on in (("grad", torch.is_grad_enabled), ("inference", torch.is_inference_mode_enabled))
-          if is_on()]
-    if not on:
-        return None
-    read = modes_read(target.fn, target.owner)
-    return next((mode for mode in on if mode in read), None)
 
 
 def _switched(owner: torch.nn.Module | None, call: Call) -> bool:

@@ -52,7 +52,8 @@ class Stop:
         self._over = False
         self._hearing: tuple[int, socket.socket, socket.socket] | None = None  # wakeup fd before, writer, reader
         self._unraisable = sys.unraisablehook
-        self.requested = False
+        self.requested = False  # a stop came (heard by the listening thread, or by the handler)
+        self._raised = False  # the handler raised ``Stopped`` once: later signals only say so again
 
     def install(self) -> None:
         for s in self._SIGNALS:
@@ -66,6 +67,7 @@ class Stop:
             signal.signal(s, signal.SIG_IGN)
 
     def restore(self) -> None:
+        self.ignore()  # a signal meanwhile must not cut the restoring short (then the previous handlers)
         with self._lock:  # the listening thread starts no clock once this holds
             self._over = True
             if self._clock is not None:
@@ -92,11 +94,12 @@ class Stop:
         raise Stopped
 
     def _interrupt(self, signum: int, frame: Any) -> None:
-        first, self.requested = not self.requested, True
+        self.requested = True
         if self._hearing is not None:  # heard already, unless something replaced the wakeup fd
             with contextlib.suppress(OSError):
                 self._hearing[1].send(bytes([signum]))
-        if first:  # a second signal (Ctrl-C then SIGTERM) raised in the stop's own finally, skipping the shutdown
+        if not self._raised:  # once: a second one (Ctrl-C, then SIGTERM) raised in the stop's finally, skipping it
+            self._raised = True
             raise Stopped
 
     def _drop_stops(self, unraisable: Any) -> None:
@@ -123,21 +126,22 @@ class Stop:
             previous, writer, reader = self._hearing
             with contextlib.suppress(ValueError, OSError):  # forked from another thread: not the main one
                 signal.set_wakeup_fd(previous)
+                for s, handler in self._previous.items():  # a worker's SIGTERM is its own end, not a server's stop
+                    signal.signal(s, handler if handler is not None else signal.SIG_DFL)
             writer.close()
             reader.close()
             self._hearing = None
 
     def _listen(self, reader: socket.socket) -> None:
-        with reader:
+        with reader:  # read until the writer closes: a reader closed early made later signals' writes fail
             while heard := reader.recv(64):  # the signals' numbers, a byte each; nothing once closed
                 if any(number in heard for number in self._SIGNALS):
                     self._start_clock()
-                    return
 
     def _start_clock(self) -> None:
         self.requested = True
-        with self._lock:
-            if not self._over and self._deadline_s is not None:
+        with self._lock:  # once: the first signal's
+            if not self._over and self._deadline_s is not None and self._clock is None:
                 self._clock = _exit_within(self._deadline_s, self._spare)
 
 

@@ -65,6 +65,10 @@ class Snapshot:
         return Snapshot([narrowed(part, reads, self.holders.get(id(part.container))) for part in self.parts],
                         self.root, self.holders)
 
+    def modes(self) -> frozenset[str]:
+        """The modes (``walk.MODE_READERS``) the watched code asks torch for: its modes part's."""
+        return frozenset(key.split()[0] for part in self.parts if part.container is torch.autograd for key in part.keys)
+
     def changed(self) -> list[str]:
         """What differs from the snapshot, in words (empty: nothing a call reads)."""
         switched = self.uniform and _uniform(self.root)  # a whole-model train()/eval(): the key has it

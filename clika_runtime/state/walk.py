@@ -36,10 +36,12 @@ from clika_runtime.state.compare import COPIED, MODULE_HOOKS, MODULE_INTERNALS, 
 
 # The names by which code asks torch's modes, by mode: a graph is traced under no_grad, outside
 # inference mode, and answers for that branch only.
-MODE_READERS = {"grad": frozenset({"is_grad_enabled"}),
-                "inference": frozenset({"is_inference_mode_enabled", "is_inference"})}
-_READERS = {torch.is_grad_enabled: "is_grad_enabled", torch.is_inference_mode_enabled: "is_inference_mode_enabled"}
+# (``x.is_inference()`` is not among them: ``self.is_inference = True`` would read as asking.)
+MODE_READERS = {"grad": frozenset({"is_grad_enabled"}), "inference": frozenset({"is_inference_mode_enabled"})}
+_READERS = {torch.is_grad_enabled: "is_grad_enabled", torch.is_inference_mode_enabled: "is_inference_mode_enabled",
+            torch.is_inference: "is_inference_mode_enabled"}
 _CALLED_DEPTH = 3  # levels of the user's functions followed from a forward, for the names they use
+_SET_UP = frozenset({"__init__", "__post_init__", "__new__", "__del__", "__repr__"})  # not run by a call
 _DEPTH = 2  # levels of attribute-carrying objects watched below a module
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 _CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
@@ -95,6 +97,7 @@ class _Walk:
     seen: set[int] = field(default_factory=set)
     names: set[str] = field(default_factory=set)  # the names the user's own functions and methods walked use
     classes: set[type] = field(default_factory=set)  # the modules' classes whose methods' names are in ``names``
+    code_seen: set[int] = field(default_factory=set)  # the functions whose names are in ``names``
     attention: bool = False  # a module whose eager answer follows ``torch.backends.mha``'s fast-path flag
     reached: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     holders: dict[int, Any] = field(default_factory=dict)  # the objects whose attributes are watched, by their dict's id
@@ -105,6 +108,10 @@ def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]
     attributes, and those of the modules and objects in a small container. A value that cannot
     be walked (its attributes raise) is watched by identity only, where its holder is."""
     try:
+        if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):  # self.fn = lambda ...
+            walk.names |= _names_of(value, walk.code_seen)
+        elif not isinstance(value, (type, torch.nn.Module)) and ours(type(value)):  # a helper object's methods
+            walk.names |= _method_names(type(value), None, walk.code_seen)
         if isinstance(value, torch.nn.Module):
             if id(value) in walk.seen:
                 return []
@@ -139,7 +146,10 @@ def _module_tree(root: torch.nn.Module, prefix: str, walk: _Walk) -> list[Part]:
         walk.attention = walk.attention or isinstance(module, _FAST_PATH_MODULES)
         if type(module) not in walk.classes:
             walk.classes.add(type(module))
-            walk.names |= _method_names(type(module))
+            walk.names |= _method_names(type(module), ("forward",), walk.code_seen)
+        for key in MODULE_HOOKS:  # hooks run with the forward
+            for hook in (vars(module).get(key) or {}).values():
+                walk.names |= _names_of(hook, walk.code_seen)
         state = vars(module)
         walk.holders[id(state)] = module
         keys = [k for k in state if not k.startswith("_")]
@@ -233,12 +243,13 @@ def _callable(fn: Any, walk: _Walk) -> list[Part]:
         held, name = (None if hasattr(fn, "__wrapped__") else fn), "the callable object"
     if held is not None and not isinstance(held, _CODE + _CONTAINERS) and isinstance(getattr(held, "__dict__", None), dict):
         parts += _objects(held, name, walk, _DEPTH)
-        walk.names |= _method_names(type(held))  # a callable object's __call__ and the methods it calls
+    if held is not None and _safely(lambda: ours(type(held))):  # a callable object: __call__ and what it calls
+        walk.names |= _method_names(type(held), None, walk.code_seen)
     return parts
 
 
 def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
-    walk.names |= _code_names(fn) if ours(fn) else set()
+    walk.names |= _code_names(fn, walk.code_seen) if ours(fn) else set()
     parts = [Part(f"{fn.__qualname__}'s", fn, ("__defaults__", "__kwdefaults__", "__code__"),
                   operator.attrgetter("__defaults__", "__kwdefaults__", "__code__"),
                   (kept(fn.__defaults__), kept(fn.__kwdefaults__), fn.__code__), None, variables=True)]
@@ -329,17 +340,51 @@ def _get_fast_path(_: Any) -> bool:
     return torch.backends.mha.get_fastpath_enabled()
 
 
-def _method_names(cls: type) -> set[str]:
-    """The names the functions in the bodies of ``cls`` and its bases use, for the user's own classes."""
-    return {name for owner in cls.__mro__ if ours(owner) for value in vars(owner).values()
-            if isinstance(value, types.FunctionType) for name in _code_names(value)}
+def _method_names(cls: type, start: tuple[str, ...] | None, seen: set[int]) -> set[str]:
+    """The names used by the functions in the bodies of ``cls`` and its bases, for the user's own
+    classes: those reached from the methods named ``start`` through ``self.<name>`` (a module's
+    forward and its helpers, not its training step), or, ``start`` None, all but the set-up ones."""
+    body: dict[str, Any] = {}
+    for owner in reversed(cls.__mro__):
+        if ours(owner):
+            body.update(vars(owner))
+    queue = list(start) if start is not None else [name for name in body if name not in _SET_UP]
+    names: set[str] = set()
+    while queue:
+        name = queue.pop()
+        if name not in body:
+            continue
+        used = _names_of(body.pop(name), seen)
+        queue += [n for n in used - names if n in body]
+        names |= used
+    return names
 
 
-def _code_names(fn: types.FunctionType, depth: int = _CALLED_DEPTH) -> set[str]:
+def _names_of(value: Any, seen: set[int]) -> set[str]:
+    """The names a function uses; a method's, a static or class method's, a partial's, what a
+    decorator wraps; a decorator object of the user's class: its methods'."""
+    for _ in range(4):  # unwrapping, a few layers
+        if isinstance(value, types.FunctionType):
+            return _code_names(value, seen) if ours(value) else set()
+        if isinstance(value, type):
+            return set()
+        inner = _safely(lambda v=value: getattr(v, "__func__", None) or getattr(v, "func", None)
+                        or vars(v).get("__wrapped__"))
+        if inner is None:
+            return _method_names(type(value), None, seen) if _safely(lambda v=value: ours(type(v))) else set()
+        value = inner
+    return set()
+
+
+def _code_names(fn: types.FunctionType, seen: set[int], depth: int = _CALLED_DEPTH) -> set[str]:
     """Every global and attribute name ``fn``'s code (and the functions it defines) uses, a torch
     mode reader it holds under another name (``from torch import is_grad_enabled as on``, in a
     closure), and the names of the user's functions it reaches, ``depth`` calls down: named as
-    globals, attributes of the user's modules (``helpers.probe()``) or closed over."""
+    globals, attributes of the user's modules (``helpers.probe()``) or closed over. Each function
+    once per walk (``seen``): helpers calling each other made the walk grow as their cube."""
+    if id(fn) in seen:
+        return set()
+    seen.add(id(fn))
     names, codes = set(), [fn.__code__]
     while codes:
         code = codes.pop()
@@ -347,14 +392,22 @@ def _code_names(fn: types.FunctionType, depth: int = _CALLED_DEPTH) -> set[str]:
         codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
     held = [fn.__globals__.get(name) for name in set(global_names(fn.__code__))]
     held += [cell.cell_contents for cell in fn.__closure__ or () if filled(cell)]
-    held += [getattr(module, name, None) for module in held if isinstance(module, types.ModuleType) and ours(module)
-             for name in names]
+    held += [_safely(lambda m=module, n=name: getattr(m, n, None)) for module in held
+             if isinstance(module, types.ModuleType) and _safely(lambda m=module: ours(m)) for name in names]
     names |= {_READERS[value] for value in held if _is_reader(value)}
     if depth > 0:
         for called in held:
-            if isinstance(called, types.FunctionType) and called is not fn and ours(called):
-                names |= _code_names(called, depth - 1)
+            if isinstance(called, types.FunctionType) and ours(called):
+                names |= _code_names(called, seen, depth - 1)
     return names
+
+
+def _safely(read: Any) -> Any:
+    """``read()``, or None where it raises (a module's ``__getattr__`` raising a KeyError)."""
+    try:
+        return read()
+    except Exception:
+        return None
 
 
 def _is_reader(value: Any) -> bool:

@@ -298,7 +298,7 @@ def shared(owner: torch.nn.Module | None, target: Any) -> list[str]:
     else:
         named = [(f"{where}.{name}", t) for where, module in modules_reached(target, None)
                  for name, t in (*module.named_parameters(), *module.named_buffers())]
-    return [name for name, t in named if t.is_shared()]
+    return [name for name, t in named if not torch.nn.parameter.is_lazy(t) and t.is_shared()]
 
 
 def uninitialized(owner: torch.nn.Module | None) -> bool:

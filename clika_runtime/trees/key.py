@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import logging
+import threading
 import types
 import weakref
 from math import copysign
@@ -115,6 +117,7 @@ _VALUE_BASES: dict[type, Callable[[Any], Any]] = {
     bytes: lambda v: bytes(memoryview(v)), complex: lambda v: complex(v.real, v.imag),
 }
 _BY_VALUE_DEPTH = 4
+_INERT = (type(threading.Lock()), type(threading.RLock()), threading.Event, threading.Condition, logging.Logger)
 _BY_VALUE_ITEMS = 64
 
 
@@ -172,9 +175,16 @@ def _by_value(value: Any, depth: int) -> Hashable:
     if dataclasses.is_dataclass(value):  # its fields, and what __post_init__ set from an InitVar
         names = {f.name for f in dataclasses.fields(value)}
         fields = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
-        fields += [(k, v) for k, v in getattr(value, "__dict__", {}).items() if k not in names]
+        fields += [(k, v) for k, v in getattr(value, "__dict__", {}).items() if k not in names and _kept(kind, k, v)]
         return (kind, tuple((k, _by_value(v, depth - 1)) for k, v in _capped(fields, kind)))
     return (kind, _attributes(value, kind, depth))
+
+
+def _kept(kind: type, name: str, value: Any) -> bool:
+    """Whether a dataclass's attribute beyond its fields is part of its value: not a
+    ``cached_property``'s (made from the fields, and filled by a first call: keyed, it re-captured
+    once, and a large one left the call unkeyable), nor a lock or a logger set up beside them."""
+    return not isinstance(getattr(kind, name, None), functools.cached_property) and not isinstance(value, _INERT)
 
 
 def _attributes(value: Any, kind: type, depth: int, empty_ok: bool = False) -> tuple:
