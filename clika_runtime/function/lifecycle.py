@@ -19,21 +19,19 @@ import torch
 from clika_runtime.base import memory
 from clika_runtime.base.config import config
 from clika_runtime.base.errors import CaptureError, VerificationError, first_line
-from clika_runtime.base.saying import raise_held
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
 from clika_runtime.capture.closures import RunFailed
 from clika_runtime.capture.envelope import Eagerly
 from clika_runtime.capture.plan import Call, CapturePlan, Knowledge
-from clika_runtime.capture.target import Target, target_raised
+from clika_runtime.capture.target import Target
 from clika_runtime.capture.value import Capture
 from clika_runtime.function import degrade, staleness
 from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiating, mutation
 from clika_runtime.function.planning import (
     Decision, Eager, GiveUp, Serve, Settle, decide, learned, planned,
 )
-from clika_runtime.function.table import (CacheTable, State, empty, noted, retrying_refused, swapped, with_capture,
-                                          without)
+from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, with_capture, without
 from clika_runtime.state import reads, weights
 from clika_runtime.state.snapshot import Snapshot, hook_containers
 from clika_runtime.state.walk import modes_read
@@ -88,46 +86,6 @@ class Lifecycle(Fallbacks):
         finally:
             with self.lock:
                 self._inflight.discard(token)
-
-    def run_failed(self, failed: RunFailed, args: tuple, kwargs: dict) -> Any:
-        """A graph failed on inputs its guard accepted: serve this call as a miss. At sizes other
-        than its own, the graph keeps serving the sizes on its side of them, verified there, and
-        the miss traces a variant beside it; at its own sizes (values failed it) it is dropped and
-        the miss re-captures from these inputs. When the target raises on them too, the graph is
-        kept as it was."""
-        if TARGETS.exclusive_here():  # fake tensors of an export in this thread, not a failure
-            return self.target.fn(*args, **kwargs)
-        with self.lock:
-            kept = self.table
-            narrowed = failed.capture.refusing(failed.feeds)
-            if narrowed is not None:
-                note = (f"the graph failed at {_shapes(failed.feeds)} ({first_line(failed.error)}): its guard refuses "
-                        "those sizes and any past them, which get a graph of their own beside it")
-                dropped = self.table = swapped(kept, failed.capture, narrowed, note)
-            else:
-                why = f"the graph failed on these inputs ({first_line(failed.error)}); re-captured from them"
-                dropped = self.table = without(kept, [failed.capture], pending=why, spends=True)
-        try:
-            return self.miss(args, kwargs)
-        except BaseException as error:
-            # The target raised on these inputs too (an id past the end): they were bad, not the
-            # graph, which serves on (a bad request stream must not re-export it, nor spend the budget).
-            with self.lock:
-                if target_raised(error) and self.table is dropped:
-                    self.table = kept
-            raise
-
-    def eagerly(self, eagerly: Eagerly, args: tuple, kwargs: dict) -> Any:
-        """A call an int8 graph does not answer (``capture.envelope``): the target's own answer,
-        by which the graph's is judged where there is a judge (said once where it falls short)."""
-        out = self.target.eager(args, kwargs)
-        short = eagerly.judge(out) if eagerly.judge is not None else None
-        if short is not None:
-            with self.lock:
-                self.table = noted(self.table, short)
-            self._say_once(short)
-        raise_held()
-        return out
 
     def _recall(self) -> None:
         """Before a function's first capture: what an earlier process learned about it (read
@@ -372,10 +330,6 @@ def _switched(owner: torch.nn.Module | None, call: Call) -> bool:
     would hold the other mode's computation under this key: it is not made, and the next call
     with the key captures."""
     return owner is not None and call.key.training is not None and owner.training != call.key.training
-
-
-def _shapes(feeds: Sequence[Any]) -> str:
-    return ", ".join(str(tuple(feed.shape)) for feed in feeds if hasattr(feed, "shape"))
 
 
 def _hooks(owner: torch.nn.Module | None) -> bool:
