@@ -197,7 +197,7 @@ def test_trap_code_reading_grad_mode_is_not_served_the_other_modes_graph(target)
         torch.testing.assert_close(f(x), x * 3)
     assert f.recapture_count == 0 and f.state is State.Compiled and f.captures[0].hits == 2
     with torch.no_grad():
-        assert f._lifecycle.table.fresh()  # the served call's check passes (the default dtype read inline was lost: 160x)
+        assert f._lifecycle.table.fresh()  # the served call's check passes (a lost inline read: 160x slower)
 
 
 class _AsksOutsideItsForward(torch.nn.Module):
