@@ -39,7 +39,7 @@ from clika_runtime.base.sharing import TARGETS
 from clika_runtime.base.version import VERSION
 from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.target import Target
-from clika_runtime.state.walk import filled, global_names, modules_reached
+from clika_runtime.state.walk import all_names, filled, global_names, modules_reached
 from clika_runtime.state.weights import closure_tensors
 from clika_runtime.trees.key import static_value
 
@@ -306,7 +306,7 @@ def _reached(functions: list[types.FunctionType]) -> tuple[list[types.FunctionTy
         if f in seen:
             continue
         seen.append(f)
-        attributes = _all_names(f.__code__)
+        attributes = all_names(f.__code__)
         for n in global_names(f.__code__):
             if n in f.__globals__:
                 value = named[(f.__module__, n)] = f.__globals__[n]
@@ -337,15 +337,6 @@ def _read_from(where: str, value: Any, attributes: set[str], named: dict, queue:
         _read_from(f"{where}.{a}", space[a], attributes, named, queue, files, depth - 1)
 
 
-def _all_names(code: types.CodeType) -> set[str]:
-    """Every global and attribute name a code object (and the functions it defines) uses."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _all_names(const)
-    return names
-
-
 def _user_code(code: Any) -> bool:
     """The user's own code (a function or a module): ``ours``, and not an installed package
     (numpy's, timm's)."""
@@ -361,7 +352,7 @@ def _environment(functions: list[types.FunctionType], named: dict) -> list[str]:
     """The environment variables the functions may read by name (``os.environ.get("LIMIT")``,
     ``os.getenv(NAME)``): when one reads the environment, every string constant of it and every
     string value they name."""
-    readers = [f for f in functions if {"environ", "getenv"} & _all_names(f.__code__)]
+    readers = [f for f in functions if {"environ", "getenv"} & all_names(f.__code__)]
     if not readers:
         return []
     names = {c for f in readers for c in _strings(f.__code__)} | {v for v in named.values() if isinstance(v, str)}

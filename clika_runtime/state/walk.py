@@ -385,11 +385,7 @@ def _code_names(fn: types.FunctionType, seen: set[int], depth: int = _CALLED_DEP
     if id(fn) in seen:
         return set()
     seen.add(id(fn))
-    names, codes = set(), [fn.__code__]
-    while codes:
-        code = codes.pop()
-        names.update(code.co_names)
-        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    names = all_names(fn.__code__)
     held = [fn.__globals__.get(name) for name in set(global_names(fn.__code__))]
     held += [cell.cell_contents for cell in fn.__closure__ or () if filled(cell)]
     held += [_safely(lambda m=module, n=name: getattr(m, n, None)) for module in held
@@ -420,6 +416,15 @@ def _is_reader(value: Any) -> bool:
 def _sized(name: str, hooks: dict) -> Part:
     """The length of a dictionary of hooks that has some: removing one makes no new handle."""
     return Part(name, hooks, (), None, (), len(hooks), trigger=True)
+
+
+def all_names(code: types.CodeType) -> set[str]:
+    """Every global and attribute name a code object (and the functions it defines) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= all_names(const)
+    return names
 
 
 def global_names(code: types.CodeType) -> Iterator[str]:

@@ -149,15 +149,21 @@ def written_later(owner: torch.nn.Module | None, target: Any = None) -> Callable
 
 
 def _held(owner: torch.nn.Module | None, target: Any) -> list[tuple[torch.Tensor, int | None]]:
-    if owner is not None:
-        tensors = [*owner.parameters(), *owner.buffers()]
-    elif target is not None:  # a function calling a model it closes over or names: that model's weights
-        modules = [module for _, module in modules_reached(target, None)]
-        tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    tensors = [t for _, t in _named_weights(owner, target)]
+    if owner is None and target is not None:
         tensors += [t for _, t in closure_tensors(target)]
-    else:
-        return []
     return [(t, _version_of(t)) for t in tensors]
+
+
+def _named_weights(owner: torch.nn.Module | None, target: Any) -> list[tuple[str, torch.Tensor]]:
+    """The parameters and buffers of ``owner``; without one, of the modules ``target`` reaches (a
+    function calling a model it closes over or names)."""
+    if owner is not None:
+        return [*owner.named_parameters(), *owner.named_buffers()]
+    if target is None:
+        return []
+    return [(f"{where}.{name}", t) for where, module in modules_reached(target, None)
+            for name, t in (*module.named_parameters(), *module.named_buffers())]
 
 
 STILL_CALLS = 2  # calls in a row that find the weights unwritten: they hold still (``Stillness``)
@@ -293,12 +299,7 @@ def shared(owner: torch.nn.Module | None, target: Any) -> list[str]:
     """The parameters and buffers (of ``owner``, or of the modules ``target`` reaches) in shared
     memory (``model.share_memory()``, torch.multiprocessing): another process writes them unseen
     by this one's version counters (Hogwild training while this process evaluates)."""
-    if owner is not None:
-        named = [*owner.named_parameters(), *owner.named_buffers()]
-    else:
-        named = [(f"{where}.{name}", t) for where, module in modules_reached(target, None)
-                 for name, t in (*module.named_parameters(), *module.named_buffers())]
-    return [name for name, t in named if not torch.nn.parameter.is_lazy(t) and t.is_shared()]
+    return [name for name, t in _named_weights(owner, target) if not torch.nn.parameter.is_lazy(t) and t.is_shared()]
 
 
 def uninitialized(owner: torch.nn.Module | None) -> bool:
