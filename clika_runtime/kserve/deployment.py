@@ -247,7 +247,8 @@ def run(
     one that someone else started on this machine). A stop at any moment, starting included, removes
     the application and shuts down Serve and Ray when it started them, within a few seconds, leaving
     no process behind; the function then returns normally. A stop not over 8 s after its signal
-    ends the process (exit code 0) once every process the server started is killed.
+    is cut short from outside, even one stuck in C code: where each thread stood is printed, and
+    every process the server started is killed, then the server (SIGKILL, exit status 137).
     """
     _require(request_timeout_s is None or request_timeout_s > 0,
              f"request_timeout_s must be > 0 (or None: no limit), got {request_timeout_s}")
@@ -257,7 +258,7 @@ def run(
     )
     name = _model_name(path, name)
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    stop = stopping.Stop(deadline_s=_STOP_S)
+    stop = stopping.Stop(deadline_s=_STOP_S)  # its watchdog starts before ``before`` is listed: never reaped
     deployed = False
     with stopping.adopting_orphans() as before:
         try:

@@ -3,8 +3,9 @@
 SIGINT and SIGTERM become a ``KeyboardInterrupt`` in the main thread, from before Ray starts, and
 set a flag that the startup steps and the wait read: code that swallows the interrupt (an exception
 raised in a ``__del__``, or in a callback run from C, is printed and dropped) cannot turn a stop
-into a server that runs on. Once a stop came, a deadline bounds it: a shutdown stuck anywhere is
-cut short, where it stood printed, and what it started killed.
+into a server that runs on. Once a stop came, a deadline bounds it, kept by a watchdog process
+(``watchdog.py``): a stop stuck anywhere, in C code that holds the GIL included, is cut short,
+where it stood printed, and what it started killed.
 
 The processes the server's Ray started are found down its process tree. A stop while Ray starts
 kills daemons that are still starting children of their own (the dashboard's forkserver, the
@@ -22,45 +23,45 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
-import threading
 import time
 import weakref
 from typing import Any, Iterator
+
+from clika_runtime.kserve import watchdog
 
 logger = logging.getLogger("clika_runtime")
 
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
 _ROUNDS = 3  # reaping rounds: a process killed while it forked leaves a child the next round finds
+_WATCHDOG_EXIT_S = 5.0  # for the watchdog to see its pair closed and exit
 
 
 class Stop:
     """SIGINT and SIGTERM as ``Stopped`` (a ``KeyboardInterrupt``) in the main thread, then ignored while stopping.
 
-    With ``deadline_s``, a stop also starts a clock the moment it arrives: a stop not over within
-    ``deadline_s`` (until ``restore()``) ends the process with exit code 0, after killing every
-    process started since this ``Stop`` was made."""
+    With ``deadline_s``, a watchdog process, started now, bounds a stop: one not over within
+    ``deadline_s`` of its signal (until ``restore()``) ends with where this process stood printed,
+    every process it started since this ``Stop`` was made killed, then this process (SIGKILL)."""
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, deadline_s: float | None = None) -> None:
         self._previous = {s: signal.getsignal(s) for s in self._SIGNALS}
-        self._deadline_s = deadline_s
-        self._spare = set(_descendants()) if deadline_s is not None else set()
-        self._clock: threading.Timer | None = None
-        self._lock = threading.Lock()
-        self._over = False
-        self._hearing: tuple[int, socket.socket, socket.socket] | None = None  # wakeup fd before, writer, reader
         self._unraisable = sys.unraisablehook
-        self.requested = False  # a stop came (heard by the listening thread, or by the handler)
+        self._watch = _Watch(deadline_s) if deadline_s is not None else None
+        if self._watch is not None:
+            _WATCHING.add(self)
+        self.requested = False  # a stop came
         self._raised = False  # the handler raised ``Stopped`` once: later signals only say so again
 
     def install(self) -> None:
         for s in self._SIGNALS:
             signal.signal(s, self._interrupt)
         sys.unraisablehook = self._drop_stops
-        if self._deadline_s is not None and self._hearing is None:
-            self._hear()
+        if self._watch is not None:
+            self._watch.hear()
 
     def ignore(self) -> None:
         for s in self._SIGNALS:
@@ -68,16 +69,10 @@ class Stop:
 
     def restore(self) -> None:
         self.ignore()  # a signal meanwhile must not cut the restoring short (then the previous handlers)
-        with self._lock:  # the listening thread starts no clock once this holds
-            self._over = True
-            if self._clock is not None:
-                self._clock.cancel()
-        if self._hearing is not None:
-            previous, writer, _ = self._hearing
-            signal.set_wakeup_fd(previous)
-            writer.close()  # the listening thread reads the end of its stream and returns
-            self._hearing = None
-            _HEARING.discard(self)
+        if self._watch is not None:  # the stop is over: the watchdog sees its pair closed and exits
+            self._watch.close()
+            self._watch = None
+            _WATCHING.discard(self)
         for s, handler in self._previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         sys.unraisablehook = self._unraisable
@@ -95,9 +90,8 @@ class Stop:
 
     def _interrupt(self, signum: int, frame: Any) -> None:
         self.requested = True
-        if self._hearing is not None:  # heard already, unless something replaced the wakeup fd
-            with contextlib.suppress(OSError):
-                self._hearing[1].send(bytes([signum]))
+        if self._watch is not None:  # told by the C-level handler already, unless something replaced the wakeup fd
+            self._watch.tell(signum)
         if not self._raised:  # once: a second one (Ctrl-C, then SIGTERM) raised in the stop's finally, skipping it
             self._raised = True
             raise Stopped
@@ -108,70 +102,74 @@ class Stop:
         if not isinstance(unraisable.exc_value, Stopped):
             self._unraisable(unraisable)
 
-    def _hear(self) -> None:
-        """Hear a stop the moment it arrives, from a thread of its own that starts the clock:
-        ``_interrupt`` runs only once the main thread is back in Python code, and ``ray.init``
-        waits in C for seconds."""
-        reader, writer = socket.socketpair()
-        writer.setblocking(False)  # as set_wakeup_fd requires: a full buffer drops bytes, never blocks
-        self._hearing = (signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False), writer, reader)
-        _HEARING.add(self)
-        threading.Thread(target=self._listen, args=(reader,), name="clika-runtime stop", daemon=True).start()
-
     def _forget(self) -> None:
-        """In a forked child: its signals are its own (it inherits the wakeup fd and both ends of the
-        pair: a SIGTERM to the child ended the parent), and the parent's reader sees the end of its
-        stream once the parent closes its writer."""
-        if self._hearing is not None:
-            previous, writer, reader = self._hearing
+        """In a forked child: its signals are its own (a SIGTERM to the child must not start the
+        parent's clock), and the watchdog sees the pair closed once the parent closes its end."""
+        if self._watch is not None:
             with contextlib.suppress(ValueError, OSError):  # forked from another thread: not the main one
-                signal.set_wakeup_fd(previous)
                 for s, handler in self._previous.items():  # a worker's SIGTERM is its own end, not a server's stop
                     signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-            writer.close()
-            reader.close()
-            self._hearing = None
-
-    def _listen(self, reader: socket.socket) -> None:
-        with reader:  # read until the writer closes: a reader closed early made later signals' writes fail
-            while heard := reader.recv(64):  # the signals' numbers, a byte each; nothing once closed
-                if any(number in heard for number in self._SIGNALS):
-                    self._start_clock()
-
-    def _start_clock(self) -> None:
-        self.requested = True
-        with self._lock:  # once: the first signal's
-            if not self._over and self._deadline_s is not None and self._clock is None:
-                self._clock = _exit_within(self._deadline_s, self._spare)
+            self._watch.forget()
+            self._watch = None
 
 
-def _exit_within(seconds: float, spare: set[Any]) -> threading.Timer:
-    """Start a clock that, unless cancelled within ``seconds``, prints where every thread stands,
-    kills this process's descendants but ``spare``, and ends the process with exit code 0."""
-    clock = threading.Timer(seconds, _cut_short, (seconds, spare))
-    clock.daemon = True
-    clock.start()
-    return clock
+class _Watch:
+    """The watchdog process of a ``Stop`` and this process's end of the socket pair it reads.
+
+    Once heard (``hear``), that end is this process's signal wakeup fd: CPython's C-level handler
+    writes each signal's number to it on arrival, without the GIL, so the watchdog's clock starts
+    even while the main thread sits in C that holds it."""
+
+    def __init__(self, deadline_s: float) -> None:
+        ours, theirs = socket.socketpair()
+        spared = [str(p.pid) for p in _descendants()]  # not started by the server: left alone
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", "-S", watchdog.__file__, str(os.getpid()), f"{deadline_s:g}", *spared],
+                stdin=theirs.fileno())
+        ours.setblocking(False)  # as set_wakeup_fd requires: a full buffer drops bytes, never blocks
+        self._end = ours
+        self._wakeup_before: int | None = None  # the wakeup fd ours replaced, once heard
+
+    def hear(self) -> None:
+        if self._wakeup_before is None:
+            self._wakeup_before = signal.set_wakeup_fd(self._end.fileno(), warn_on_full_buffer=False)
+            with contextlib.suppress(AttributeError, ValueError, OSError):  # a stderr without a file: no stacks
+                faulthandler.register(watchdog.DUMP, file=sys.stderr, all_threads=True)
+
+    def tell(self, signum: int) -> None:
+        with contextlib.suppress(OSError):
+            self._end.send(bytes([signum]))
+
+    def close(self) -> None:
+        self._unhear()
+        self._end.close()
+        try:
+            self._process.wait(timeout=_WATCHDOG_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def forget(self) -> None:
+        """In a forked child: the wakeup fd and the stacks' signal back as they were, the end closed."""
+        with contextlib.suppress(ValueError, OSError):
+            self._unhear()
+        self._end.close()
+
+    def _unhear(self) -> None:
+        if self._wakeup_before is not None:
+            signal.set_wakeup_fd(self._wakeup_before)
+            faulthandler.unregister(watchdog.DUMP)
+            self._wakeup_before = None
 
 
-def _cut_short(seconds: float, spare: set[Any]) -> None:
-    with contextlib.suppress(Exception):  # a closed stream must not keep the process alive
-        sys.stdout.flush()
-        print(f"clika-runtime: the stop did not end within {seconds:g} s; ending the process. "
-              "Where it stood:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    with contextlib.suppress(Exception):
-        reap(spare, 0.2)
-    os._exit(0)
-
-
-_HEARING: "weakref.WeakSet[Stop]" = weakref.WeakSet()  # the stops listening in this process
+_WATCHING: "weakref.WeakSet[Stop]" = weakref.WeakSet()  # the stops with a watchdog in this process
 
 
 def _forget_in_child() -> None:
-    for stop in list(_HEARING):
+    for stop in list(_WATCHING):
         stop._forget()
-    _HEARING.clear()
+    _WATCHING.clear()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -191,15 +189,16 @@ def ray_keeps_our_handlers() -> Iterator[None]:
     """Keep Ray from replacing the SIGTERM handler while ``ray.init`` runs.
 
     ``ray.init`` installs handlers of its own for SIGTERM (``sys.exit``, then one that drains the
-    node for up to 30 s and exits 1), and the driver's core worker installs a C handler that
-    aborts with a stack dump: a SIGTERM during startup then ended the server with -6 and left
-    Ray's agents running. Ours stays instead (the processes Ray started are ended by ``reap``).
-    """
-    from ray._private import utils
+    node for up to 30 s and exits 1), and the driver's core worker installs a C handler (absl's
+    failure handler: a stack dump, then the previous handler) unless Ray's constant says not to;
+    that constant is read from the environment when Ray is imported, so setting the variable
+    before ``ray.init`` changed nothing. Ours stays instead (the processes Ray started are ended
+    by ``reap``)."""
+    from ray._private import ray_constants, utils
 
     setter = getattr(utils, "set_sigterm_handler", None)
-    had = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER" in os.environ
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    disabled = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     if setter is not None:
         utils.set_sigterm_handler = lambda handler: None
     try:
@@ -207,8 +206,8 @@ def ray_keeps_our_handlers() -> Iterator[None]:
     finally:
         if setter is not None:
             utils.set_sigterm_handler = setter
-        if not had:
-            os.environ.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+        if disabled is not None:
+            ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = disabled
 
 
 @contextlib.contextmanager
