@@ -263,6 +263,8 @@ _IN_RESTORE = textwrap.dedent("""
     import os, signal, time
     from clika_runtime.kserve.stopping import Stop, Stopped
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the previous handler, whatever was inherited
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     stop = Stop(deadline_s=30)
     stop.install()
     real = signal.set_wakeup_fd
@@ -278,7 +280,7 @@ _IN_RESTORE = textwrap.dedent("""
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(2)
-        print("swallowed", flush=True)
+        print("swallowed", signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
 """)
