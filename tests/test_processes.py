@@ -4,7 +4,6 @@ serve and re-capture as a fresh process would."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -12,50 +11,49 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-
-import clika_runtime as cr
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _model():
+# A fresh process, as a pre-fork server's parent is (a pytest worker holds the threads of every
+# test it ran before, Ray's and gRPC's included, and a fork inherits their locks as they stand).
+_FORK_AFTER_CAPTURE = textwrap.dedent("""
+    import faulthandler, multiprocessing, sys, torch
+    import clika_runtime as cr
+
+    cr.config.cache_dir, threads = sys.argv[1], int(sys.argv[2])
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).eval()
-
-
-_INHERITED: dict = {}  # what the parent holds when it forks: the child finds it here, not pickled
-
-
-def _child(batches, threads):
-    f, model = _INHERITED["f"], _INHERITED["model"]
-    torch.set_num_threads(threads)
-    with torch.no_grad():
-        for batch in batches:
-            x = torch.randn(batch, 4)
-            torch.testing.assert_close(f(x), model(x))
-    return [c.hits for c in f.captures]
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_trap_a_forked_child_captures_and_serves(tmp_path, monkeypatch, threads):
-    """After a capture in the parent (disk cache on), a forked child's first capture waited for
-    ever on the disk cache's thread pool, whose worker threads the child does not have."""
-    monkeypatch.setattr(cr.config, "cache_dir", str(tmp_path))
-    model = _model()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).eval()
     f = cr.compile(model)
     torch.set_num_threads(threads)
     with torch.no_grad():
         f(torch.randn(5, 4)), f(torch.randn(5, 4))
-    _INHERITED.update(f=f, model=model)
-    try:
-        with multiprocessing.get_context("fork").Pool(1) as pool:
-            work = pool.apply_async(_child, ([5, 7, 7, 9, 5], threads))
-            hits = work.get(timeout=60)  # a hang fails here, not the whole run
-    finally:
-        _INHERITED.clear()
-        torch.set_num_threads(1)
-    assert sum(hits) >= 3, hits  # the parent's graph at 5, the child's own from 7 on
+
+    def child(batches):  # forked: finds f and model as the parent left them, not pickled
+        faulthandler.dump_traceback_later(100, exit=True)  # a hang says where it stood
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            for batch in batches:
+                x = torch.randn(batch, 4)
+                torch.testing.assert_close(f(x), model(x))
+        return [c.hits for c in f.captures]
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        print(sum(pool.apply(child, ([5, 7, 7, 9, 5],))), flush=True)
+""")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_trap_a_forked_child_captures_and_serves(tmp_path, threads):
+    """After a capture in the parent (disk cache on), a forked child's first capture waited for
+    ever on the disk cache's thread pool, whose worker threads the child does not have."""
+    script = tmp_path / "fork_after_capture.py"
+    script.write_text(_FORK_AFTER_CAPTURE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), str(threads)],
+                            capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout) >= 3, result.stdout  # the parent's graph at 5, the child's own from 7 on
 
 
 def test_trap_a_forked_child_that_exits_leaves_the_parents_graphs(tmp_path):
