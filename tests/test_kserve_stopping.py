@@ -166,6 +166,64 @@ def _gone(pid: int, timeout: float) -> bool:
     return False
 
 
+# Where faulthandler cannot print (stderr closed: ``2>&-``; or not a file: captured, a notebook):
+# the server starts all the same, and a stuck stop still ends with what it started killed (the
+# dump's signal, unhandled, ended the server before the watchdog found its children: orphans).
+_NO_STDERR_FILE = textwrap.dedent("""
+    import ctypes, io, os, subprocess, sys
+    from clika_runtime.kserve.stopping import Stop
+
+    closed = Stop(deadline_s=30)
+    sys.stderr, kept = None, sys.stderr
+    closed.install()
+    closed.restore()
+    sys.stderr = io.StringIO()
+    stop = Stop(deadline_s=1.0)
+    stop.install()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(child.pid, flush=True)
+    subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -TERM {os.getpid()}"])
+    lock = ctypes.PyDLL(None).pthread_mutex_lock
+    mutex = ctypes.create_string_buffer(64)
+    lock(mutex)
+    try:
+        lock(mutex)
+    except KeyboardInterrupt:
+        lock(mutex)
+""")
+
+
+def test_trap_a_stderr_that_is_no_file_neither_stops_the_start_nor_orphans_a_stuck_stops_children(tmp_path):
+    result = _run_script(tmp_path, "no_stderr_file", _NO_STDERR_FILE, timeout=30)
+    assert result.returncode == -signal.SIGKILL, (result.returncode, result.stderr[-2000:])
+    assert _gone(int(result.stdout.split()[0]), timeout=2), "the stuck server's child outlived it"
+
+
+# A Ctrl-C the moment the watchdog starts (a terminal sends it to the whole process group): the
+# watchdog, not yet past its own start, died of it, and that stop had no deadline.
+_CTRL_C_AT_START = textwrap.dedent("""
+    import os, signal, time
+    import psutil
+    from clika_runtime.kserve.stopping import Stop
+
+    signal.signal(signal.SIGINT, lambda *_: None)  # this process lives on; what it starts does not inherit it
+    stop = Stop(deadline_s=30)
+    os.killpg(0, signal.SIGINT)
+    time.sleep(0.5)
+    print([c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in psutil.Process().children()], flush=True)
+    stop.restore()
+""")
+
+
+def test_trap_a_ctrl_c_as_the_watchdog_starts_leaves_it_watching(tmp_path):
+    (tmp_path / "ctrl_c_at_start.py").write_text(_CTRL_C_AT_START)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    result = subprocess.run([sys.executable, "-m", "ctrl_c_at_start"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=30, start_new_session=True)  # its own group: the Ctrl-C stays there
+    assert (result.returncode, result.stdout) == (0, "[True]\n"), result.stderr[-2000:]
+
+
 _TWO_SIGNALS = textwrap.dedent("""
     import os, signal, threading, time
     from clika_runtime.kserve.stopping import Stop

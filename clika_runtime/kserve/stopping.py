@@ -36,6 +36,7 @@ logger = logging.getLogger("clika_runtime")
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
 _ROUNDS = 3  # reaping rounds: a process killed while it forked leaves a child the next round finds
 _WATCHDOG_EXIT_S = 5.0  # for the watchdog to see its pair closed and exit
+_MISSING = object()
 
 
 class Stop:
@@ -123,19 +124,23 @@ class _Watch:
     def __init__(self, deadline_s: float) -> None:
         ours, theirs = socket.socketpair()
         spared = [str(p.pid) for p in _descendants()]  # not started by the server: left alone
-        with theirs:
+        with theirs:  # a session of its own: a terminal's Ctrl-C, sent to its process group, misses it
             self._process = subprocess.Popen(
                 [sys.executable, "-I", "-S", watchdog.__file__, str(os.getpid()), f"{deadline_s:g}", *spared],
-                stdin=theirs.fileno())
+                stdin=theirs.fileno(), start_new_session=True)
         ours.setblocking(False)  # as set_wakeup_fd requires: a full buffer drops bytes, never blocks
         self._end = ours
         self._wakeup_before: int | None = None  # the wakeup fd ours replaced, once heard
+        self._dump_before: Any = None  # the stacks' signal's handler before, once heard
 
     def hear(self) -> None:
         if self._wakeup_before is None:
             self._wakeup_before = signal.set_wakeup_fd(self._end.fileno(), warn_on_full_buffer=False)
-            with contextlib.suppress(AttributeError, ValueError, OSError):  # a stderr without a file: no stacks
+            self._dump_before = signal.getsignal(watchdog.DUMP)
+            try:
                 faulthandler.register(watchdog.DUMP, file=sys.stderr, all_threads=True)
+            except (AttributeError, ValueError, OSError, RuntimeError):  # a stderr closed or not a file: no stacks,
+                signal.signal(watchdog.DUMP, signal.SIG_IGN)  # and the watchdog's ask for them must not end us
 
     def tell(self, signum: int) -> None:
         with contextlib.suppress(OSError):
@@ -143,7 +148,6 @@ class _Watch:
 
     def close(self) -> None:
         self._unhear()
-        self._end.close()
         try:
             self._process.wait(timeout=_WATCHDOG_EXIT_S)
         except subprocess.TimeoutExpired:
@@ -157,9 +161,14 @@ class _Watch:
         self._end.close()
 
     def _unhear(self) -> None:
+        """The wakeup fd back, then the end closed (the watchdog's watch is over), and only then the
+        stacks' signal back: until the watchdog knows, its ask for them must not end this process."""
         if self._wakeup_before is not None:
             signal.set_wakeup_fd(self._wakeup_before)
-            faulthandler.unregister(watchdog.DUMP)
+        self._end.close()
+        if self._wakeup_before is not None:
+            if not faulthandler.unregister(watchdog.DUMP):  # ignored instead: as it was before
+                signal.signal(watchdog.DUMP, self._dump_before if self._dump_before is not None else signal.SIG_DFL)
             self._wakeup_before = None
 
 
@@ -197,7 +206,7 @@ def ray_keeps_our_handlers() -> Iterator[None]:
     from ray._private import ray_constants, utils
 
     setter = getattr(utils, "set_sigterm_handler", None)
-    disabled = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    disabled = vars(ray_constants).get("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", _MISSING)
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     if setter is not None:
         utils.set_sigterm_handler = lambda handler: None
@@ -206,7 +215,9 @@ def ray_keeps_our_handlers() -> Iterator[None]:
     finally:
         if setter is not None:
             utils.set_sigterm_handler = setter
-        if disabled is not None:
+        if disabled is _MISSING:
+            del ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+        else:
             ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = disabled
 
 

@@ -11,10 +11,11 @@ main thread sits in C code that keeps the GIL (Ray's constructors do), where no 
 server could run Python to keep a clock of its own. The server ends the watch by closing its
 end (its stop is over) or by dying.
 
-When the clock runs out: one line, then the server prints where each of its threads stood
-(faulthandler, registered on ``DUMP``, which needs no GIL either), then the server and everything
-it started but the spared are frozen (SIGSTOP, so nothing forks an orphan while they die) and
-killed (SIGKILL). Where there is no ``/proc`` to walk, only the server is killed.
+When the clock runs out: one line; what the server started but the spared is frozen (SIGSTOP, so
+nothing forks an orphan while they die); the server prints where each of its threads stood
+(faulthandler, registered on ``DUMP``, which needs no GIL either); then the server is frozen too,
+with whatever it started meanwhile, and all are killed (SIGKILL). Where there is no ``/proc`` to
+walk, only the server is killed.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ def main(argv: list[str]) -> None:
         return
     print(f"clika-runtime: the stop did not end within {deadline_s:g} s; ending the server (pid {server}) "
           "and the processes it started. Where it stood:", file=sys.stderr, flush=True)
+    spared.add(os.getpid())
+    frozen = _frozen_tree(server, spared)  # first: should the ask for stacks end the server, they are known
     _send(server, DUMP)
     time.sleep(_DUMP_WAIT_S)
     _send(server, signal.SIGSTOP)
-    for pid in [server, *_frozen_tree(server, spared | {os.getpid()})]:
+    frozen += _frozen_tree(server, spared | set(frozen))  # what it started meanwhile
+    for pid in [server, *frozen]:
         _send(pid, signal.SIGKILL)
 
 
