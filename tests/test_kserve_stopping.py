@@ -166,6 +166,54 @@ def _gone(pid: int, timeout: float) -> bool:
     return False
 
 
+def test_trap_a_stop_stuck_with_its_stderr_reader_gone_still_ends(tmp_path):
+    """``serve ... 2>&1 | head -1``, once ``head`` exited: the watchdog's line to stderr raised
+    BrokenPipeError, and the watchdog died before it ended anything (an attack)."""
+    (tmp_path / "stuck.py").write_text(_STUCK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    with subprocess.Popen([sys.executable, "-m", "stuck"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                          stderr=write, text=True) as process:
+        os.close(write)
+        child = int(process.stdout.readline())
+        try:
+            code = process.wait(timeout=15)
+        finally:
+            process.kill()
+    assert code == -signal.SIGKILL, code
+    assert _gone(child, timeout=2), "the stuck server's child outlived it"
+
+
+# A stop whose process forks in a loop meanwhile: the walk that froze its tree went on as long as
+# it forked, past the deadline (an attack).
+_FORKING = textwrap.dedent("""
+    import os, time
+    from clika_runtime.kserve.stopping import Stop
+
+    stop = Stop(deadline_s=1.0)
+    stop.install()
+    try:
+        os.kill(os.getpid(), 15)
+        time.sleep(5)
+    except KeyboardInterrupt:
+        ends = time.monotonic() + 8
+        while time.monotonic() < ends:
+            if os.fork() == 0:
+                time.sleep(0.2)
+                os._exit(0)
+    print("forked on", flush=True)
+""")
+
+
+def test_trap_a_stop_that_forks_in_a_loop_still_ends_at_its_deadline(tmp_path):
+    started = time.monotonic()
+    result = _run_script(tmp_path, "forking", _FORKING, timeout=30)
+    took = time.monotonic() - started
+    assert result.returncode == -signal.SIGKILL and "forked on" not in result.stdout, result.stderr[-2000:]
+    assert took < 5, f"{took:.1f} s"
+
+
 # Where faulthandler cannot print (stderr closed: ``2>&-``; or not a file: captured, a notebook):
 # the server starts all the same, and a stuck stop still ends with what it started killed (the
 # dump's signal, unhandled, ended the server before the watchdog found its children: orphans).

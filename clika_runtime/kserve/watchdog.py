@@ -11,11 +11,11 @@ main thread sits in C code that keeps the GIL (Ray's constructors do), where no 
 server could run Python to keep a clock of its own. The server ends the watch by closing its
 end (its stop is over) or by dying.
 
-When the clock runs out: one line; what the server started but the spared is frozen (SIGSTOP, so
-nothing forks an orphan while they die); the server prints where each of its threads stood
-(faulthandler, registered on ``DUMP``, which needs no GIL either); then the server is frozen too,
-with whatever it started meanwhile, and all are killed (SIGKILL). Where there is no ``/proc`` to
-walk, only the server is killed.
+When the clock runs out: one line; the server prints where each of its threads stood
+(faulthandler, registered on ``DUMP``, which needs no GIL either); then the server and what it
+started but the spared (found before the ask for stacks too, should it end the server and orphan
+them) are frozen (SIGSTOP, so nothing forks an orphan while they die) and killed (SIGKILL). Where
+there is no ``/proc`` to walk, only the server is killed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import time
 DUMP = signal.SIGUSR2  # the server's faulthandler prints its threads' stacks on it
 _STOPS = (signal.SIGINT, signal.SIGTERM)
 _DUMP_WAIT_S = 0.5  # for the stacks to be printed before the server is frozen
-_FREEZE_WAIT_S = 1.0  # for each frozen process to stop, at most
+_FREEZE_WAIT_S = 1.0  # for each round's frozen processes to stop, at most
+_FREEZE_ROUNDS = 10  # a bound on the walk, should the processes it freezes keep forking
 
 
 def main(argv: list[str]) -> None:
@@ -38,16 +39,22 @@ def main(argv: list[str]) -> None:
         signal.signal(s, signal.SIG_IGN)
     if _over_in_time(deadline_s) or os.getppid() != server:  # over, or the server gone (its pid may be reused)
         return
-    print(f"clika-runtime: the stop did not end within {deadline_s:g} s; ending the server (pid {server}) "
-          "and the processes it started. Where it stood:", file=sys.stderr, flush=True)
+    _say(f"clika-runtime: the stop did not end within {deadline_s:g} s; ending the server (pid {server}) "
+         "and the processes it started. Where it stood:\n")
     spared.add(os.getpid())
-    frozen = _frozen_tree(server, spared)  # first: should the ask for stacks end the server, they are known
+    started = _descendants([server])  # known before the ask for stacks, should it end the server
     _send(server, DUMP)
     time.sleep(_DUMP_WAIT_S)
-    _send(server, signal.SIGSTOP)
-    frozen += _frozen_tree(server, spared | set(frozen))  # what it started meanwhile
-    for pid in [server, *frozen]:
+    _send(server, signal.SIGSTOP)  # first: a server forking in a loop would keep the walk below going
+    for pid in [server, *_frozen_tree([server, *started], spared)]:
         _send(pid, signal.SIGKILL)
+
+
+def _say(line: str) -> None:
+    try:
+        os.write(2, line.encode(errors="replace"))
+    except OSError:  # stderr closed, or its reader gone (``serve ... | head``): the ending comes first
+        pass
 
 
 def _over_in_time(deadline_s: float) -> bool:
@@ -65,11 +72,16 @@ def _over_in_time(deadline_s: float) -> bool:
             ends = time.monotonic() + deadline_s
 
 
-def _frozen_tree(root: int, spared: set[int]) -> list[int]:
-    """Stop (SIGSTOP) every descendant of ``root`` but ``spared``, round after round until a round
-    finds none new: a process stopped while it forked leaves a child the next round finds."""
+def _frozen_tree(roots: list[int], spared: set[int]) -> list[int]:
+    """Stop (SIGSTOP) ``roots`` but the first and every descendant of them but ``spared``, round
+    after round until a round finds none new (a process stopped while it forked leaves a child the
+    next round finds), at most ``_FREEZE_ROUNDS`` rounds."""
     frozen: list[int] = []
-    while new := [pid for pid in _descendants(root) if pid not in spared and pid not in frozen]:
+    for _ in range(_FREEZE_ROUNDS):
+        found = [*roots[1:], *_descendants(roots)]
+        new = list(dict.fromkeys(pid for pid in found if pid not in spared and pid not in frozen))
+        if not new:
+            break
         for pid in new:
             _send(pid, signal.SIGSTOP)
         _wait_stopped(new)
@@ -77,11 +89,11 @@ def _frozen_tree(root: int, spared: set[int]) -> list[int]:
     return frozen
 
 
-def _descendants(root: int) -> list[int]:
+def _descendants(roots: list[int]) -> list[int]:
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in _processes().items():
         children.setdefault(ppid, []).append(pid)
-    found, todo = [], [root]
+    found, todo = [], list(roots)
     while todo:
         kids = children.get(todo.pop(), [])
         found += kids
