@@ -35,8 +35,8 @@ _FREEZE_ROUNDS = 10  # a bound on the walk, should the processes it freezes keep
 
 def main(argv: list[str]) -> None:
     server, deadline_s, spared = int(argv[1]), float(argv[2]), {int(pid) for pid in argv[3:]}
-    for s in _STOPS:  # a Ctrl-C reaches the terminal's whole process group: this must outlive the stop it bounds
-        signal.signal(s, signal.SIG_IGN)
+    for s in _STOPS:  # a stop signal sent here anyway (a session of its own keeps a terminal's Ctrl-C away)
+        signal.signal(s, signal.SIG_IGN)  # must not end the watch before the stop it bounds
     if _over_in_time(deadline_s) or os.getppid() != server:  # over, or the server gone (its pid may be reused)
         return
     _say(f"clika-runtime: the stop did not end within {deadline_s:g} s; ending the server (pid {server}) "
