@@ -74,8 +74,7 @@ class Stop:
             self._watch.close()
             self._watch = None
             _WATCHING.discard(self)
-        for s, handler in self._previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self._put_back()
         sys.unraisablehook = self._unraisable
 
     def check(self) -> None:
@@ -97,6 +96,10 @@ class Stop:
             self._raised = True
             raise Stopped
 
+    def _put_back(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
     def _drop_stops(self, unraisable: Any) -> None:
         """Say nothing of a stop dropped on its way (Python prints an exception raised in an
         at-fork hook, a ``__del__`` or a callback from C, then drops it): the flag carries it."""
@@ -108,8 +111,7 @@ class Stop:
         parent's clock), and the watchdog sees the pair closed once the parent closes its end."""
         if self._watch is not None:
             with contextlib.suppress(ValueError, OSError):  # forked from another thread: not the main one
-                for s, handler in self._previous.items():  # a worker's SIGTERM is its own end, not a server's stop
-                    signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+                self._put_back()  # a worker's SIGTERM is its own end, not a server's stop
             self._watch.forget()
             self._watch = None
 
@@ -158,7 +160,7 @@ class _Watch:
         """In a forked child: the wakeup fd and the stacks' signal back as they were, the end closed."""
         with contextlib.suppress(ValueError, OSError):
             self._unhear()
-        self._end.close()
+        self._end.close()  # also where putting the wakeup fd back failed (forked from another thread)
 
     def _unhear(self) -> None:
         """The wakeup fd back, then the end closed (the watchdog's watch is over), and only then the
