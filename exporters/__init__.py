@@ -7,8 +7,9 @@ from exporters.dynamo import (
     DrawsRandom, ExportedGraph, Uncapturable, WritesState, export_graph, model_bytes, outputs, save,
 )
 from exporters.fusion import save_fused
+from exporters.integers import DECLINES
 
 __all__ = [
-    "DrawsRandom", "ExportedGraph", "Uncapturable", "WritesState", "export_graph", "model_bytes", "outputs", "save",
+    "DECLINES", "DrawsRandom", "ExportedGraph", "Uncapturable", "WritesState", "export_graph", "model_bytes", "outputs", "save",
     "save_fused",
 ]

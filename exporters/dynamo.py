@@ -24,6 +24,7 @@ from exporters import (
     fast_paths,
     fusion,
     graph_edits,
+    integers,
     log_domain,
     nan_guard,
     sizes,
@@ -453,7 +454,7 @@ def _edited(
     graph_edits.pin_dims(model, _pinned(program.exported_program))
     graph_edits.pin_derived_inputs(model, examples, derived)
     graph_edits.widen_indices(model)
-    graph_edits.wrapping_sums(model)
+    integers.exact(model)
     transposes.fold_key_transposes(model.graph)
     log_domain.logs_of_sigmoids(model.graph)
     declared = [{a: n for a, n in axes.items() if n} for axes in dynamic]

@@ -83,33 +83,6 @@ def widen_indices(model: ir.Model) -> None:
         node.replace_input_with(position, widen.outputs[0])
 
 
-def wrapping_sums(model: ir.Model) -> None:
-    """Sum int32 in int64 and cast back: onnxruntime's int32 ``ReduceSum`` saturates at 2**31 - 1
-    where torch's wraps around (``x.sum(dtype=torch.int32)``); a cast to int32 wraps, and int64
-    holds any sum of fewer than 2**32 int32 values exactly. The main graph's sums only: rewritten
-    inside an ``If``'s branch, the graph broke onnxruntime's single assignment (a sum there saturates)."""
-    for node in list(model.graph):
-        if node.op_type != "ReduceSum" or node.domain != "" or node.inputs[0].dtype != ir.DataType.INT32:
-            continue
-        data, out, graph = node.inputs[0], node.outputs[0], node.graph
-        wide = _cast(data, ir.DataType.INT64)
-        summed = ir.Node("", "ReduceSum", [wide.outputs[0], *node.inputs[1:]], list(node.attributes.values()),
-                         num_outputs=1)
-        summed.outputs[0].dtype, summed.outputs[0].shape = ir.DataType.INT64, out.shape
-        back = _cast(summed.outputs[0], ir.DataType.INT32)
-        graph.insert_before(node, [wide, summed, back])
-        name = out.name
-        out.replace_all_uses_with(back.outputs[0], replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        back.outputs[0].name = name
-
-
-def _cast(value: ir.Value, to: ir.DataType) -> ir.Node:
-    node = ir.Node("", "Cast", [value], [ir.AttrInt64("to", to)], num_outputs=1)
-    node.outputs[0].dtype, node.outputs[0].shape = to, value.shape
-    return node
-
-
 def pin_dims(model: ir.Model, pinned: Mapping[str, int]) -> None:
     """Make dims whose symbol the exporter pinned to one value (range [v, v]) static ``v``."""
     if not pinned:

@@ -118,3 +118,52 @@ def test_an_int32_sum_inside_a_branch_is_still_served():
         f(x)
         assert torch.equal(f(x), branched(x))
     assert sum(c.hits for c in f.captures) == 1
+
+
+@pytest.mark.parametrize("reduce", [lambda x: x.sum(), lambda x: x.sum(-1), lambda x: torch.sum(x, 0, keepdim=True),
+                                    lambda x: x.to(torch.int32).sum(-1), lambda x: (x > 0).sum(-1) + x.sum(-1)],
+                         ids=["all", "last axis", "keepdim", "int32 to int64", "bool and int64"])
+def test_trap_an_int64_sum_is_exact_and_wraps_as_in_torch(reduce):
+    # onnxruntime's int64 ReduceSum accumulates in double: past 2**53 a sum lost its last digits
+    # (2**53 + 1 + 1 served as 2**53) and past 2**63 it saturated where torch wraps.
+    f = cr.compile(reduce)
+    with torch.inference_mode():
+        f(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]))
+        for x in (torch.tensor([[2**53 + 1, 1, 0, 0], [2**62, 2**62, 2**62, 5]]),
+                  torch.tensor([[-2**63, -1, 2**40 + 3, 3], [2**53 - 1, 2**53 - 1, -7, 2**31 - 1]]),
+                  torch.tensor([[2**31 - 1] * 4, [-2**31] * 4])):
+            assert torch.equal(f(x), reduce(x)), (f(x), reduce(x))
+    assert sum(c.hits for c in f.captures) == 3
+
+
+@pytest.mark.parametrize("reduce", [lambda x: x.prod(), lambda x: x.prod(-1), lambda x: x.prod(0, keepdim=True),
+                                    lambda x: x.to(torch.int32).prod(-1, dtype=torch.int32)],
+                         ids=["all", "last axis", "keepdim", "int32"])
+def test_trap_an_integer_product_is_exact_or_eager(reduce):
+    # onnxruntime's integer ReduceProd multiplies in double: 3**39 * 3 was served as 2**63 - 1,
+    # an int32 product past 2**31 as 2147483647, where torch's are exact and wrap. Products
+    # below 2**53 are exact in double and served; a larger one runs eagerly, a call at a time.
+    f = cr.compile(reduce)
+    with torch.inference_mode():
+        f(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]))
+        served = torch.tensor([[2**20, 2**10, 2**2, -1], [-3, 1, 1, 2**10 + 1]])  # 3 * (2**42 + 2**32) in all
+        assert torch.equal(f(served), reduce(served))
+        for x in (torch.tensor([[3**39, 3, 1, 1], [1, 1, 1, 1]]), torch.tensor([[2**62, 4, 5, 1], [-2**63, 1, 1, -1]]),
+                  torch.tensor([[2**40, 2**40, 0, 2**40], [100000, 100000, 7, 1]])):
+            assert torch.equal(f(x), reduce(x)), (f(x), reduce(x))
+        assert torch.equal(f(served), reduce(served))
+    assert sum(c.hits for c in f.captures) >= 2
+
+
+@pytest.mark.parametrize("narrow", [torch.int32, torch.int16, torch.int8, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_trap_a_float_cast_to_int64_then_narrower_wraps_as_in_torch(dtype, narrow):
+    # onnxruntime merges Cast(float -> int64) and Cast(int64 -> int32) into one float -> int32
+    # cast, which saturates: 2**32 + 5 was served as 2147483647 where torch wraps it to 5.
+    convert = lambda x: x.to(torch.int64).to(narrow)  # noqa: E731
+    f = cr.compile(convert)
+    with torch.inference_mode():
+        f(torch.arange(8, dtype=dtype))
+        x = torch.tensor([-2.0**32, 2.0**32 + 256.0, 3e9, 300.0, -129.0, 70000.0, -2.0**40, 65535.0], dtype=dtype)
+        assert torch.equal(f(x), convert(x)), (f(x), convert(x))
+    assert f.captures[0].hits == 1

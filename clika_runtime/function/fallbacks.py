@@ -19,6 +19,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from exporters import DECLINES
+
 from clika_runtime.base.errors import CaptureError, ClikaError, first_line
 from clika_runtime.base.precision import FP32
 from clika_runtime.base.saying import raise_held, say
@@ -94,6 +96,8 @@ class Fallbacks:
         kept as it was."""
         if TARGETS.exclusive_here():  # fake tensors of an export in this thread, not a failure
             return self.target.fn(*args, **kwargs)
+        if DECLINES in str(failed.error):  # values the graph cannot answer exactly: not its failure
+            return self.eagerly(Eagerly(first_line(failed.error)), args, kwargs)
         with self.lock:
             kept = self.table
             narrowed = failed.capture.refusing(failed.feeds)

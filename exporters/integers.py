@@ -1,0 +1,211 @@
+"""Integer sums, products and narrowing casts as torch computes them: exact, wrapping around at
+their dtype's width.
+
+onnxruntime's integer ``ReduceSum`` accumulates in double. An int32 sum past 2**31 - 1 saturated
+(2147483647 served where eager gives 0), and an int64 sum past 2**53 lost its last digits
+(2**53 + 1 + 1 served as 2**53) and saturated past 2**63 where torch wraps. Every integer sum of
+the main graph is made exact:
+
+- an int32 sum is summed in int64 and cast back (the cast wraps);
+- an int64 sum is split into three 21-bit limbs, each summed in onnxruntime's double (exact for
+  fewer than 2**31 terms), and the limb sums are put back together with int64 ``Mul`` and ``Add``,
+  which wrap as torch does. Terms cast from a bool or an integer of 16 bits or fewer cannot reach
+  2**53 in a sum of fewer than 2**37 of them: those sums (lengths from attention masks, counts)
+  stay one node.
+
+Its integer ``ReduceProd`` multiplies in double too: 3**39 * 3 was served as 2**63 - 1, an int32
+product past 2**31 as 2147483647. A product of integers is exact in double while it stays below
+2**53 (no partial product of nonzero integers is larger than the whole), so an integer product is
+taken in double and cast back (through int64, so that an int32 one wraps), and a call whose
+product reaches 2**53 (or NaN: an infinity times 0) fails the graph's ``DECLINES`` node: the
+target answers that call and the graph serves the next one.
+
+onnxruntime merges a cast from a float to an integer and a cast of that integer to a narrower one
+into one cast from the float, which saturates where torch's second cast wraps (``x.long().int()``:
+2**32 + 5 was served as 2147483647, not 5). Such a narrowing is written as the wrap it is (a
+``BitwiseAnd`` in the wider type), so that the cast after it only ever meets values it holds.
+
+Inside an ``If``'s branch the rewrites broke onnxruntime's single assignment, so reductions there
+stay as exported.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+_LIMB = 21  # bits: a limb sum of fewer than 2**31 terms stays below 2**52
+DECLINES = "declines_these_values"  # in the name of a node that fails where the graph cannot answer exactly
+_SHAPE_OPS = {"Shape", "Size", "Constant", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Cast"}
+_SMALL = {ir.DataType.BOOL, ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UINT16, ir.DataType.INT16}
+
+
+def exact(model: ir.Model) -> None:
+    """Rewrite the main graph's int32 and int64 ``ReduceSum`` and ``ReduceProd`` nodes to be
+    exact and wrap, or decline the call; and its narrowing casts of a cast to wrap."""
+    for node in list(model.graph):
+        if node.domain != "" or not node.inputs or node.inputs[0] is None:
+            continue
+        if node.op_type == "Cast" and _narrowing_a_cast(node):
+            _wrapped(node)
+        if node.inputs[0].dtype not in (ir.DataType.INT32, ir.DataType.INT64):
+            continue
+        if node.op_type == "ReduceSum" and node.inputs[0].dtype == ir.DataType.INT32:
+            _wrapped_from_int64(node)
+        elif node.op_type == "ReduceSum" and not _small_terms(node.inputs[0]):
+            _in_limbs(node)
+        elif node.op_type == "ReduceProd" and not _of_sizes(node.inputs[0]):
+            _in_double(node)
+
+
+_BITS = {ir.DataType.INT64: 64, ir.DataType.INT32: 32, ir.DataType.INT16: 16, ir.DataType.INT8: 8,
+         ir.DataType.UINT8: 8, ir.DataType.UINT16: 16, ir.DataType.UINT32: 32}
+_UNSIGNED = {ir.DataType.UINT8, ir.DataType.UINT16, ir.DataType.UINT32}
+
+
+def _narrowing_a_cast(node: ir.Node) -> bool:
+    source, to = node.inputs[0], node.attributes["to"].as_int()
+    producer = source.producer()
+    return (producer is not None and producer.op_type == "Cast" and source.dtype in _BITS
+            and to in _BITS and _BITS[to] < _BITS[source.dtype])
+
+
+def _wrapped(node: ir.Node) -> None:
+    """``node``, a cast to a narrower integer, as ``x & mask`` (unsigned) or ``((x + half) & mask) -
+    half`` (signed) in ``x``'s own type, then the cast of a value in range."""
+    source, to = node.inputs[0], ir.DataType(node.attributes["to"].as_int())
+    nodes: list[ir.Node] = []
+
+    def add(op: str, *inputs: ir.Value) -> ir.Value:
+        made = ir.Node("", op, list(inputs), num_outputs=1)
+        made.outputs[0].dtype, made.outputs[0].shape = source.dtype, source.shape
+        nodes.append(made)
+        return made.outputs[0]
+
+    def constant(v: int) -> ir.Value:
+        made = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(v, dtype=source.dtype))], num_outputs=1)
+        made.outputs[0].dtype, made.outputs[0].shape = source.dtype, ir.Shape([])
+        nodes.append(made)
+        return made.outputs[0]
+
+    bits = _BITS[to]
+    mask = constant((1 << bits) - 1)
+    if to in _UNSIGNED:
+        in_range = add("BitwiseAnd", source, mask)
+    else:
+        half = constant(1 << (bits - 1))
+        in_range = add("Sub", add("BitwiseAnd", add("Add", source, half), mask), half)
+    node.graph.insert_before(node, nodes)
+    node.replace_input_with(0, in_range)
+
+
+def _small_terms(value: ir.Value) -> bool:
+    producer = value.producer()
+    return (producer is not None and producer.op_type == "Cast" and producer.domain == ""
+            and producer.inputs[0] is not None and producer.inputs[0].dtype in _SMALL)
+
+
+def _of_sizes(value: ir.Value) -> bool:
+    """Whether ``value`` is computed from shapes and constants only (a count of elements: far
+    below 2**53)."""
+    producer = value.producer()
+    if producer is None or producer.op_type not in _SHAPE_OPS or producer.domain != "":
+        return False
+    return producer.op_type in ("Shape", "Size", "Constant") or all(
+        _of_sizes(source) for source in producer.inputs if source is not None)
+
+
+def _in_double(node: ir.Node) -> None:
+    """``node``'s integer product taken in double, cast back, failing the run where it is not exact."""
+    dtype, nodes = node.inputs[0].dtype, []
+
+    def add(op: str, inputs: list[ir.Value], to: ir.DataType, attributes=(), name: str | None = None) -> ir.Value:
+        made = ir.Node("", op, inputs, list(attributes), num_outputs=1, name=name)
+        made.outputs[0].dtype = to
+        nodes.append(made)
+        return made.outputs[0]
+
+    def constant(tensor: ir.TensorProtocol) -> ir.Value:
+        return add("Constant", [], tensor.dtype, [ir.AttrTensor("value", tensor)])
+
+    product = add("ReduceProd", [add("Cast", [node.inputs[0]], ir.DataType.DOUBLE, [ir.AttrInt64("to", ir.DataType.DOUBLE)]),
+                                 *node.inputs[1:]], ir.DataType.DOUBLE, node.attributes.values())
+    exact = add("Less", [add("Abs", [product], ir.DataType.DOUBLE), constant(ir.tensor(2.0**53, dtype=ir.DataType.DOUBLE))],
+                ir.DataType.BOOL)
+    past = add("Cast", [add("Not", [exact], ir.DataType.BOOL)], ir.DataType.INT64, [ir.AttrInt64("to", ir.DataType.INT64)])
+    one = add("Gather", [constant(ir.tensor([1], dtype=ir.DataType.INT64)), past], ir.DataType.INT64,
+              name=f"{node.name or 'prod'}_{DECLINES}")  # [1][1] is past the end
+    out = add("Cast", [product], ir.DataType.INT64, [ir.AttrInt64("to", ir.DataType.INT64)])
+    if dtype == ir.DataType.INT32:  # wrapped as torch's int32 product is, in int64 (onnxruntime merges
+        half = constant(ir.tensor(1 << 31, dtype=ir.DataType.INT64))  # two casts into one that saturates)
+        low = add("BitwiseAnd", [add("Add", [out, half], ir.DataType.INT64),
+                                 constant(ir.tensor((1 << 32) - 1, dtype=ir.DataType.INT64))], ir.DataType.INT64)
+        out = add("Sub", [low, half], ir.DataType.INT64)
+        out, one = (add("Cast", [v], dtype, [ir.AttrInt64("to", dtype)]) for v in (out, one))
+    total = add("Mul", [out, one], dtype)
+    total.shape = node.outputs[0].shape
+    _replace(node, nodes, total)
+
+
+def _wrapped_from_int64(node: ir.Node) -> None:
+    wide = _cast(node.inputs[0], ir.DataType.INT64)
+    summed = _like(node, wide.outputs[0], ir.DataType.INT64)
+    back = _cast(summed.outputs[0], ir.DataType.INT32)
+    _replace(node, [wide, summed, back], back.outputs[0])
+    _in_limbs(summed)  # an int32 sum of more than 2**22 large terms passes 2**53 in int64 too
+
+
+def _in_limbs(node: ir.Node) -> None:
+    """``node``'s int64 sum as the wrapped sum of its terms' three limbs: ``x = a + b * 2**21 + c *
+    2**42`` with ``a`` and ``b`` in [0, 2**21) and ``|c| <= 2**21``."""
+    nodes: list[ir.Node] = []
+
+    def add(op: str, *inputs: ir.Value) -> ir.Value:
+        made = ir.Node("", op, list(inputs), num_outputs=1)
+        made.outputs[0].dtype = ir.DataType.INT64
+        nodes.append(made)
+        return made.outputs[0]
+
+    def constant(v: int) -> ir.Value:
+        made = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(v, dtype=ir.DataType.INT64))], num_outputs=1)
+        made.outputs[0].dtype, made.outputs[0].shape = ir.DataType.INT64, ir.Shape([])
+        nodes.append(made)
+        return made.outputs[0]
+
+    mask, base = constant((1 << _LIMB) - 1), constant(1 << _LIMB)
+    sums, rest = [], node.inputs[0]
+    for _ in range(2):
+        limb = add("BitwiseAnd", rest, mask)
+        rest = add("Div", add("Sub", rest, limb), base)  # exact: the low bits are gone
+        sums.append(limb)
+    sums.append(rest)
+    summed = []
+    for limb in sums:
+        reduce = _like(node, limb, ir.DataType.INT64)
+        nodes.append(reduce)
+        summed.append(reduce.outputs[0])
+    low, middle, high = summed
+    total = add("Add", low, add("Mul", add("Add", middle, add("Mul", high, base)), base))
+    total.shape = node.outputs[0].shape
+    _replace(node, nodes, total)
+
+
+def _like(node: ir.Node, data: ir.Value, dtype: ir.DataType) -> ir.Node:
+    """A ``ReduceSum`` over ``data`` with ``node``'s axes and attributes."""
+    made = ir.Node("", "ReduceSum", [data, *node.inputs[1:]], list(node.attributes.values()), num_outputs=1)
+    made.outputs[0].dtype, made.outputs[0].shape = dtype, node.outputs[0].shape
+    return made
+
+
+def _replace(node: ir.Node, nodes: list[ir.Node], out: ir.Value) -> None:
+    graph, name = node.graph, node.outputs[0].name
+    graph.insert_before(node, nodes)
+    node.outputs[0].replace_all_uses_with(out, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    if name is not None:  # a graph output keeps its name
+        out.name = name
+
+
+def _cast(value: ir.Value, to: ir.DataType) -> ir.Node:
+    node = ir.Node("", "Cast", [value], [ir.AttrInt64("to", to)], num_outputs=1)
+    node.outputs[0].dtype, node.outputs[0].shape = to, value.shape
+    return node
