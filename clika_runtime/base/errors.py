@@ -16,6 +16,11 @@ class UncapturableError(CaptureError):
     """The target does what no graph can (writes its buffers, takes complex tensors): no retry is made."""
 
 
+class EmptyKillsError(UncapturableError):
+    """The graph holds a kernel onnxruntime kills the process with on an empty input, and the call
+    has a size 0: such calls run eagerly (the key's other calls still capture)."""
+
+
 class VerificationError(CaptureError):
     """A freshly captured graph disagreed with the eager result of the call that made it."""
 

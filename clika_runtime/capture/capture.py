@@ -20,7 +20,7 @@ import torch
 import exporters
 import serving
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, SecondSizeError, UncapturableError, first_line
+from clika_runtime.base.errors import CaptureError, EmptyKillsError, SecondSizeError, UncapturableError, first_line
 from clika_runtime.base.precision import FP32, Agreement, refusal
 from clika_runtime.base.specs import TensorInfo
 from clika_runtime.base.version import VERSION
@@ -127,15 +127,15 @@ def _build(
 
 
 def _refuse_killing_ops(exported: Any, feeds: Sequence[Any]) -> None:
-    """Raise ``UncapturableError`` (no other export helps) before a graph runs on inputs with a
+    """Raise ``EmptyKillsError`` (no other export helps) before a graph runs on inputs with a
     size 0 that onnxruntime's kernels would kill the process on (``serving.KILLED_BY_EMPTY``):
     such calls run eagerly (a variant's sizes, beside a graph that serves the key's others; the
-    whole key when its first call is the empty one)."""
+    key's calls with a size 0 when its first call is an empty one)."""
     if not any(isinstance(f, torch.Tensor) and 0 in f.shape for f in feeds):
         return
     killing = sorted(serving.KILLED_BY_EMPTY & {node.op_type for node in exported.model.graph.all_nodes()})
     if killing:
-        raise UncapturableError(f"onnxruntime's {killing[0]} kills the process on an empty input, and this call "
+        raise EmptyKillsError(f"onnxruntime's {killing[0]} kills the process on an empty input, and this call "
                                 "has a size 0: such calls run eagerly")
 
 

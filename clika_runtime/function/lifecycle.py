@@ -18,7 +18,7 @@ import torch
 
 from clika_runtime.base import memory
 from clika_runtime.base.config import config
-from clika_runtime.base.errors import CaptureError, VerificationError, first_line
+from clika_runtime.base.errors import CaptureError, EmptyKillsError, VerificationError, first_line
 from clika_runtime.base.sharing import TARGETS
 from clika_runtime.cache import restore
 from clika_runtime.capture.closures import RunFailed
@@ -29,7 +29,7 @@ from clika_runtime.capture.value import Capture
 from clika_runtime.function import degrade, staleness
 from clika_runtime.function.fallbacks import Fallbacks, Progress, differentiating, mutation
 from clika_runtime.function.planning import (
-    Decision, Eager, GiveUp, Serve, Settle, decide, learned, planned,
+    EMPTY, Decision, Eager, GiveUp, Serve, Settle, decide, learned, planned,
 )
 from clika_runtime.function.table import CacheTable, State, empty, retrying_refused, with_capture, without
 from clika_runtime.state import reads, weights
@@ -204,7 +204,8 @@ class Lifecycle(Fallbacks):
                 return self._unmade(f"{meanwhile} ({first_line(error)})", generation, out)
             why = f" (the target writes {staleness.words(ran)} itself, which a graph cannot)" \
                 if ran and isinstance(error, VerificationError) else ""
-            return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, plan.point)
+            point = EMPTY if plan.point is None and isinstance(error, EmptyKillsError) else plan.point
+            return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, point)
         finally:
             put_back()
         changed = _changed(self.target.owner, plan.call, attempt, weights_written)

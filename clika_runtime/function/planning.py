@@ -77,7 +77,7 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     for capture in variants:
         if capture.guard.check(call.feeds) is None:
             return Serve(capture)
-    if call.key in table.refused:
+    if call.key in table.refused or (call.key, EMPTY) in table.refused and _empty(call):
         return Eager()  # its capture failed: said when it did
     if variants:
         return _within_key(table, call, variants, options)
@@ -89,6 +89,21 @@ def decide(table: CacheTable, call: Call, options: Options, owner: torch.nn.Modu
     plan = CapturePlan(call, _initial_dynamic(table, call, options), declared_axes(call, options), reason,
                        untied=table.knowledge.untied, spends=spends)
     return _budgeted(table, plan)
+
+
+@dataclass(frozen=True)
+class EmptyCalls:
+    """What a key refuses when its first call had a size 0 its graph's kernels cannot run
+    (``EmptyKillsError``): its calls with a size 0, not its others."""
+
+    sizes: tuple[tuple[str, int], ...] = (("size", 0),)  # said as "at size=0"
+
+
+EMPTY = EmptyCalls()
+
+
+def _empty(call: Call) -> bool:
+    return any(0 in feed.shape for feed in call.feeds if isinstance(feed, torch.Tensor))
 
 
 def _a_number_varies(table: CacheTable, call: Call) -> bool:
