@@ -26,6 +26,46 @@ def unless(ok: Any, out: Any, dtype: Any) -> Any:
     return op.Mul(out, op.CastLike(one, out))  # 1 * x is x: NaN, infinities and -0.0 stay
 
 
+# What torch's checked conversion of a number into a tensor of these dtypes accepts (c10's
+# ``overflows``): a fill value, a clamp bound, a 0-d tensor made from a number.
+_RANGES = {
+    ir.DataType.UINT8: (0, 255), ir.DataType.INT8: (-128, 127), ir.DataType.INT16: (-32768, 32767),
+    ir.DataType.UINT16: (0, 65535), ir.DataType.INT32: (-2**31, 2**31 - 1), ir.DataType.FLOAT16: (-65504, 65504),
+}
+
+
+def in_range(value: Any, dtype: Any) -> Any:
+    """``value``, a number the trace did not fix (a size, a number passed in), failing where it is
+    out of ``dtype``'s range: torch raises there ("value cannot be converted to type uint8_t
+    without overflow") and the graph's cast would wrap it (300 into uint8 served as 44). A number
+    the trace fixed was checked by torch as it traced."""
+    bounds = _RANGES.get(dtype) if isinstance(value, ir.Value) else None
+    if bounds is None:
+        return value
+    low, high = (op.CastLike(op.Constant(value_int=b), value) for b in bounds)
+    return unless(op.And(op.GreaterOrEqual(value, low), op.LessOrEqual(value, high)), value, value.dtype)
+
+
+def full(size: Any, fill_value: Any, dtype: int = -1, layout: str = "", device: str = "", pin_memory: bool = False) -> Any:
+    """torchlib's ``full``, failing where the fill value is out of ``dtype``'s range."""
+    checked = in_range(fill_value, ir.DataType(dtype)) if dtype != -1 else fill_value
+    return core.aten_full(size, checked, dtype, layout, device, pin_memory)
+
+
+def new_full(self: Any, size: Any, fill_value: Any, dtype: int = -1, layout: str = "", device: str = "",
+             pin_memory: bool = False) -> Any:
+    """torchlib's ``new_full``, failing where the fill value is out of range."""
+    checked = in_range(fill_value, ir.DataType(dtype) if dtype != -1 else self.dtype)
+    return core.aten_new_full(self, size, checked, dtype, layout, device, pin_memory)
+
+
+def full_like(self: Any, fill_value: Any, dtype: int = -1, layout: str = "", device: str = "", pin_memory: bool = False,
+              memory_format: str = "") -> Any:
+    """torchlib's ``full_like`` (``fill_``), failing where the fill value is out of range."""
+    checked = in_range(fill_value, ir.DataType(dtype) if dtype != -1 else self.dtype)
+    return core.aten_full_like(self, checked, dtype, layout, device, pin_memory, memory_format)
+
+
 def _static_nonempty(x: Any, axes: Sequence[int]) -> bool:
     return all(isinstance(x.shape[a], int) and x.shape[a] > 0 for a in axes)
 

@@ -24,13 +24,18 @@ from onnxscript import ir
 from onnxscript.function_libs.torch_lib.ops import core
 from onnxscript.onnx_opset import opset18 as op
 
+from exporters import raising
+
 _HALVES = {ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}
 
 
 def scalar_tensor(s: Any, dtype: int = -1, layout: str = "", device: str = "", pin_memory: bool = False) -> Any:
     """A number as a 0-d tensor of ``dtype``: made in that dtype from the number (float64 keeps
     every digit); for a half dtype, a float32 constant cast down, which ``in_opmath`` reads back."""
-    if isinstance(s, ir.Value) or isinstance(s, complex):
+    if isinstance(s, ir.Value):  # a number the trace did not fix: failing where torch raises
+        return core.aten_scalar_tensor(raising.in_range(s, ir.DataType(dtype)) if dtype != -1 else s, dtype,
+                                       layout, device, pin_memory)
+    if isinstance(s, complex):
         return core.aten_scalar_tensor(s, dtype, layout, device, pin_memory)
     target = ir.DataType(dtype) if dtype != -1 else ir.DataType.FLOAT
     if target in _HALVES:

@@ -365,7 +365,9 @@ def _window_weights(x: Any, axis: int, out: int) -> Any:
 
 
 def clamp(self: Any, min: float | None = None, max: float | None = None) -> Any:
-    """torchlib's Clip; with one bound, the other side's infinity kept (below)."""
+    """torchlib's Clip; with one bound, the other side's infinity kept (below); a bound the trace
+    did not fix fails where torch raises (``raising.in_range``)."""
+    min, max = raising.in_range(min, self.dtype), raising.in_range(max, self.dtype)
     out = core.aten_clamp(self, min, max)
     if (min is None) == (max is None):
         return out
@@ -374,12 +376,12 @@ def clamp(self: Any, min: float | None = None, max: float | None = None) -> Any:
 
 def clamp_max(self: Any, max_: float) -> Any:
     """torchlib's Clip with an upper bound, ``-inf`` kept."""
-    return _infinity_kept(self, core.aten_clamp_max(self, max_), below=True)
+    return _infinity_kept(self, core.aten_clamp_max(self, raising.in_range(max_, self.dtype)), below=True)
 
 
 def clamp_min(self: Any, min_: float) -> Any:
     """torchlib's Clip with a lower bound, ``+inf`` kept."""
-    return _infinity_kept(self, core.aten_clamp_min(self, min_), below=False)
+    return _infinity_kept(self, core.aten_clamp_min(self, raising.in_range(min_, self.dtype)), below=False)
 
 
 def _infinity_kept(x: Any, clipped: Any, below: bool) -> Any:
@@ -439,6 +441,9 @@ TABLE: dict[Any, Callable[..., Any]] = {
         (torch.ops.aten.add.Tensor, core.aten_add), (torch.ops.aten.sub.Tensor, core.aten_sub),
         (torch.ops.aten.mul.Tensor, core.aten_mul), (torch.ops.aten.div.Tensor, core.aten_div))},
     torch.ops.aten.one_hot.default: raising.one_hot,
+    torch.ops.aten.full.default: raising.full,
+    torch.ops.aten.full_like.default: raising.full_like,
+    torch.ops.aten.new_full.default: raising.new_full,
     torch.ops.aten.bincount.default: raising.bincount,
     torch.ops.aten.repeat_interleave.Tensor: raising.repeat_interleave,
     torch.ops.aten.pow.Tensor_Tensor: integer_power.pow_tensor_tensor,

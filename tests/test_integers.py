@@ -167,3 +167,55 @@ def test_trap_a_float_cast_to_int64_then_narrower_wraps_as_in_torch(dtype, narro
         x = torch.tensor([-2.0**32, 2.0**32 + 256.0, 3e9, 300.0, -129.0, 70000.0, -2.0**40, 65535.0], dtype=dtype)
         assert torch.equal(f(x), convert(x)), (f(x), convert(x))
     assert f.captures[0].hits == 1
+
+
+_INTO_NARROW = {
+    "full uint8": lambda x: torch.full((2, x.shape[-1]), x.shape[-1], dtype=torch.uint8),
+    "clamp uint8": lambda x: (x > 0).to(torch.uint8).clamp(max=x.shape[-1]),
+    "masked_fill uint8": lambda x: (x > 0).to(torch.uint8).masked_fill(x > 1, x.shape[-1]),
+    "new_full int16": lambda x: x.new_full((2,), x.shape[-1] * 200, dtype=torch.int16),
+    "full float16": lambda x: torch.full((2,), x.shape[-1] * 400, dtype=torch.float16) + x[0, :2].half(),
+}
+
+
+_STILL_WRAPS = pytest.mark.xfail(strict=True, reason="the exporter makes the number a 0-d tensor before "
+                                 "a translation sees it (torch.onnx's own handling of scalar_tensor on sizes)")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_STILL_WRAPS) if n.startswith("masked_fill") else n
+                                  for n in _INTO_NARROW])
+def test_trap_a_size_too_large_for_its_dtype_raises_as_in_torch(name):
+    # A size written into a narrower dtype: torch raises ("value cannot be converted to type
+    # uint8_t without overflow"); the graph wrapped it (300 served as 44) or made it inf (a
+    # trial). The call now raises torch's error, and the graph serves the next one.
+    fn = _INTO_NARROW[name]
+    f = cr.compile(fn)
+    with torch.inference_mode():
+        for n in (10, 12, 14):
+            f(torch.randn(2, n))
+        before = sum(c.hits for c in f.captures)
+        assert before == 1
+        big = torch.randn(2, 300)
+        with pytest.raises(RuntimeError, match="overflow"):
+            fn(big)
+        with pytest.raises(RuntimeError, match="overflow"):
+            f(big)
+        small, served = torch.randn(2, 20), sum(c.hits for c in f.captures)
+        assert torch.equal(f(small), fn(small))
+    assert sum(c.hits for c in f.captures) == served + 1
+
+
+def test_trap_a_number_passed_in_too_large_for_its_dtype_raises_as_in_torch():
+    fn = lambda x, k: torch.full_like(x, k, dtype=torch.int8)  # noqa: E731
+    f = cr.compile(fn)
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        for k in (3, 5, 7):
+            f(x, k)
+        with pytest.raises(RuntimeError, match="overflow"):
+            fn(x, 300)
+        with pytest.raises(RuntimeError, match="overflow"):
+            f(x, 300)
+        served = sum(c.hits for c in f.captures)
+        assert torch.equal(f(x, 9), fn(x, 9))
+    assert sum(c.hits for c in f.captures) == served + 1
