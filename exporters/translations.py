@@ -297,6 +297,8 @@ def floor_divide(self: Any, other: Any) -> Any:
     """``//``: integers by ``_integer_division``, floats as torch (``signs.floor_divide``)."""
     if self.dtype.is_integer() and isinstance(other, ir.Value) and other.dtype == self.dtype:
         return _integer_division(self, other, core.aten_floor_divide)
+    if self.dtype.is_integer() and isinstance(other, int) and other == -1:  # a negation (see below)
+        return op.Neg(self)
     if self.dtype.is_floating_point():
         return signs.floor_divide(self, other)
     return core.aten_floor_divide(self, other)
