@@ -386,6 +386,25 @@ def clamp_min(self: Any, min_: float) -> Any:
     return _infinity_kept(self, core.aten_clamp_min(self, raising.in_range(min_, self.dtype)), below=False)
 
 
+def clamp_tensor(self: Any, min: Any = None, max: Any = None) -> Any:
+    """``clamp`` by 0-d tensors (how the exporter writes a clamp by a number in float64 and
+    float16): as ``clamp``."""
+    out = core.aten_clamp_tensor(self, min, max)
+    if (min is None) == (max is None):
+        return out
+    return _infinity_kept(self, out, below=min is None)
+
+
+def clamp_max_tensor(self: Any, max_: Any) -> Any:
+    """``clamp_max`` by a 0-d tensor, ``-inf`` kept."""
+    return _infinity_kept(self, core.aten_clamp_max_tensor(self, max_), below=True)
+
+
+def clamp_min_tensor(self: Any, min_: Any) -> Any:
+    """``clamp_min`` by a 0-d tensor, ``+inf`` kept."""
+    return _infinity_kept(self, core.aten_clamp_min_tensor(self, min_), below=False)
+
+
 def _infinity_kept(x: Any, clipped: Any, below: bool) -> Any:
     """``clipped``, but ``x`` where it is the infinity on the unbounded side: onnxruntime's Clip
     takes a missing bound as the dtype's lowest (highest) finite value, so ``scores.clamp(max=50)``
@@ -462,6 +481,9 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.clamp.default: clamp,
     torch.ops.aten.clamp_max.default: clamp_max,
     torch.ops.aten.clamp_min.default: clamp_min,
+    torch.ops.aten.clamp.Tensor: clamp_tensor,
+    torch.ops.aten.clamp_max.Tensor: clamp_max_tensor,
+    torch.ops.aten.clamp_min.Tensor: clamp_min_tensor,
     torch.ops.aten.mean.default: mean,
     torch.ops.aten.mean.dim: mean_dim,
     torch.ops.prims.var.default: var,
