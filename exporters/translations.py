@@ -386,6 +386,20 @@ def clamp_min(self: Any, min_: float) -> Any:
     return _infinity_kept(self, core.aten_clamp_min(self, raising.in_range(min_, self.dtype)), below=False)
 
 
+def _infinity_test(torchlib: Callable[[Any], Any], signs: Sequence[float]) -> Callable[[Any], Any]:
+    """``torchlib``'s test for an infinity, but for float64 a comparison with each of ``signs``'
+    infinities: torchlib casts to float32 first, where 1e300 is infinite (``isinf(1e300)`` was
+    served True, and ``nan_to_num`` made it the largest double)."""
+
+    def translated(self: Any) -> Any:
+        if self.dtype != ir.DataType.DOUBLE:
+            return torchlib(self)
+        tests = [op.Equal(self, op.Constant(value=ir.tensor(sign * math.inf, dtype=ir.DataType.DOUBLE))) for sign in signs]
+        return tests[0] if len(tests) == 1 else op.Or(*tests)
+
+    return translated
+
+
 def clamp_tensor(self: Any, min: Any = None, max: Any = None) -> Any:
     """``clamp`` by 0-d tensors (how the exporter writes a clamp by a number in float64 and
     float16): as ``clamp``."""
@@ -482,6 +496,9 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.clamp_max.default: clamp_max,
     torch.ops.aten.clamp_min.default: clamp_min,
     torch.ops.aten.clamp.Tensor: clamp_tensor,
+    torch.ops.aten.isinf.default: _infinity_test(core.aten_isinf, (1, -1)),
+    torch.ops.aten.isposinf.default: _infinity_test(core.aten_isposinf, (1,)),
+    torch.ops.aten.isneginf.default: _infinity_test(core.aten_isneginf, (-1,)),
     torch.ops.aten.clamp_max.Tensor: clamp_max_tensor,
     torch.ops.aten.clamp_min.Tensor: clamp_min_tensor,
     torch.ops.aten.mean.default: mean,

@@ -326,3 +326,20 @@ def test_trap_cross_entropy_with_label_smoothing_is_served_as_torch_computes_it(
 
     got, want = _served(loss, (torch.randn_like(_SCORES), _LABELS.clamp(min=0)), (_SCORES, _LABELS))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+_LARGE_DOUBLES = torch.tensor([[1e300, -1e300, torch.finfo(torch.float64).max, 1.0, torch.inf, -torch.inf, torch.nan, -0.0]],
+                              dtype=torch.float64)
+INFINITY_TESTS = {
+    "isinf": torch.isinf, "isposinf": torch.isposinf, "isneginf": torch.isneginf, "isfinite": torch.isfinite,
+    "nan_to_num": torch.nan_to_num, "nan_to_num(posinf, neginf)": lambda x: torch.nan_to_num(x, posinf=1.0, neginf=-1.0),
+}
+
+
+@pytest.mark.parametrize("name", INFINITY_TESTS)
+def test_trap_float64_infinity_tests_take_large_finite_values_as_finite(name):
+    # torchlib tests for infinity after a cast to float32, where 1e300 is inf: isinf(1e300) was
+    # served True and nan_to_num made it the largest double (a trial).
+    fn = INFINITY_TESTS[name]
+    got, want = _served(fn, (torch.randn(1, 8, dtype=torch.float64),), (_LARGE_DOUBLES,))
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
