@@ -53,7 +53,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from onnxscript import ir
-from onnxscript.function_libs.torch_lib.ops import core, nn, prims
+from onnxscript.function_libs.torch_lib.ops import core, linalg, nn, prims, special
 from onnxscript.onnx_opset import opset18 as op
 
 from exporters import integer_power, log_domain, losses, raising, scalars, signs, sizes, upsampling
@@ -202,6 +202,16 @@ def _propagating_reduction(torchlib: Callable[..., Any]) -> Callable[..., Any]:
         out = _with_nan(_any_nan(self, dim, keepdim), out) if self.dtype in _FLOATS else out
         return raising.nonempty(self, dim, out)
     return reduction
+
+
+def vector_norm(self: Any, ord: float = 2.0, dim: Any = None, keepdim: bool = False, dtype: int = -1) -> Any:
+    """torchlib's ``linalg_vector_norm``; of order inf or -inf, NaN where the reduced values hold
+    one (it is a ReduceMax or ReduceMin of ``|x|``, which skip NaN)."""
+    out = linalg.aten_linalg_vector_norm(self, ord, dim, keepdim, dtype)
+    if not math.isinf(ord) or self.dtype not in _FLOATS:
+        return out
+    axes = [] if dim is None else [dim] if isinstance(dim, int) else list(dim)
+    return _with_nan(_any_nan(self, axes, keepdim), out)
 
 
 def _propagating_full(torchlib: Callable[..., Any]) -> Callable[..., Any]:
@@ -386,6 +396,17 @@ def clamp_min(self: Any, min_: float) -> Any:
     return _infinity_kept(self, core.aten_clamp_min(self, raising.in_range(min_, self.dtype)), below=False)
 
 
+def log_softmax(self: Any, dim: int, dtype: int = -1) -> Any:
+    """torchlib's ``log_softmax``; in float64 written out (``x - max - log(sum(exp(x - max)))``):
+    onnxruntime's float64 LogSoftmax gave a row holding NaN numbers besides it, where torch's row
+    is NaN throughout (the sum of its exponentials is NaN)."""
+    if self.dtype != ir.DataType.DOUBLE or dtype not in (-1, ir.DataType.DOUBLE) or not self.shape:
+        return special.aten_special_log_softmax(self, dim, dtype)
+    axes = op.Constant(value_ints=[dim])
+    shifted = op.Sub(self, op.ReduceMax(self, axes, keepdims=1))
+    return op.Sub(shifted, op.Log(op.ReduceSum(op.Exp(shifted), axes, keepdims=1)))
+
+
 def _infinity_test(torchlib: Callable[[Any], Any], signs: Sequence[float]) -> Callable[[Any], Any]:
     """``torchlib``'s test for an infinity, but for float64 a comparison with each of ``signs``'
     infinities: torchlib casts to float32 first, where 1e300 is infinite (``isinf(1e300)`` was
@@ -496,6 +517,8 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.clamp_max.default: clamp_max,
     torch.ops.aten.clamp_min.default: clamp_min,
     torch.ops.aten.clamp.Tensor: clamp_tensor,
+    torch.ops.aten.linalg_vector_norm.default: vector_norm,
+    torch.ops.aten.log_softmax.int: log_softmax,
     torch.ops.aten.isinf.default: _infinity_test(core.aten_isinf, (1, -1)),
     torch.ops.aten.isposinf.default: _infinity_test(core.aten_isposinf, (1,)),
     torch.ops.aten.isneginf.default: _infinity_test(core.aten_isneginf, (-1,)),

@@ -343,3 +343,23 @@ def test_trap_float64_infinity_tests_take_large_finite_values_as_finite(name):
     fn = INFINITY_TESTS[name]
     got, want = _served(fn, (torch.randn(1, 8, dtype=torch.float64),), (_LARGE_DOUBLES,))
     torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_trap_a_nan_in_a_log_softmax_row_makes_the_row_nan(dtype):
+    # onnxruntime's float64 LogSoftmax gave the other entries of a row holding NaN numbers
+    # (44.35 where eager has NaN; a trial).
+    row = torch.tensor([[0.3, torch.nan, 2.0, 0.7, -0.1, 1.5], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]], dtype=dtype)
+    for fn in (lambda x: torch.log_softmax(x, dim=1), lambda x: torch.log_softmax(x.T, dim=0)):
+        got, want = _served(fn, (torch.randn(2, 6, dtype=dtype),), (row,))
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("order", [torch.inf, -torch.inf])
+def test_trap_an_infinity_norm_of_a_row_holding_nan_is_nan(order):
+    # torchlib's norm of order inf is a ReduceMax of |x|, which skips NaN: the row's largest
+    # other magnitude was served (2.0 where eager has NaN; a trial).
+    row = torch.tensor([[0.3, torch.nan, 2.0, 0.7, -0.1, 1.5], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
+    for fn in (lambda x: torch.linalg.vector_norm(x, order, dim=1), lambda x: torch.linalg.vector_norm(x, order)):
+        got, want = _served(fn, (torch.randn(2, 6),), (row,))
+        torch.testing.assert_close(got, want, equal_nan=True)
