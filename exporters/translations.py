@@ -407,6 +407,11 @@ def log_softmax(self: Any, dim: int, dtype: int = -1) -> Any:
     return op.Sub(shifted, op.Log(op.ReduceSum(op.Exp(shifted), axes, keepdims=1)))
 
 
+def xlogy(self: Any, other: Any) -> Any:
+    """torchlib's ``xlogy``, NaN where ``other`` is: it answered 0 where ``self`` is 0 first."""
+    return op.Where(op.IsNaN(other), op.CastLike(other, self), special.aten_special_xlogy(self, other))
+
+
 def _infinity_test(torchlib: Callable[[Any], Any], signs: Sequence[float]) -> Callable[[Any], Any]:
     """``torchlib``'s test for an infinity, but for float64 a comparison with each of ``signs``'
     infinities: torchlib casts to float32 first, where 1e300 is infinite (``isinf(1e300)`` was
@@ -517,6 +522,7 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.clamp_max.default: clamp_max,
     torch.ops.aten.clamp_min.default: clamp_min,
     torch.ops.aten.clamp.Tensor: clamp_tensor,
+    torch.ops.aten.xlogy.Tensor: xlogy,
     torch.ops.aten.linalg_vector_norm.default: vector_norm,
     torch.ops.aten.log_softmax.int: log_softmax,
     torch.ops.aten.isinf.default: _infinity_test(core.aten_isinf, (1, -1)),

@@ -363,3 +363,11 @@ def test_trap_an_infinity_norm_of_a_row_holding_nan_is_nan(order):
     for fn in (lambda x: torch.linalg.vector_norm(x, order, dim=1), lambda x: torch.linalg.vector_norm(x, order)):
         got, want = _served(fn, (torch.randn(2, 6),), (row,))
         torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_trap_xlogy_of_zero_and_nan_is_nan():
+    # torchlib answered 0 wherever x is 0, before looking for a NaN in y (a trial).
+    fn = torch.xlogy
+    got, want = _served(fn, (torch.rand(1, 3), torch.rand(1, 3)),
+                        (torch.tensor([[0.0, -0.0, 1.0]]), torch.tensor([[torch.nan, torch.nan, 2.0]])))
+    torch.testing.assert_close(got, want, equal_nan=True)
