@@ -412,6 +412,13 @@ def xlogy(self: Any, other: Any) -> Any:
     return op.Where(op.IsNaN(other), op.CastLike(other, self), special.aten_special_xlogy(self, other))
 
 
+def logit(self: Any, eps: float | None = None) -> Any:
+    """torchlib's ``logit``, NaN where ``self`` is: with ``eps`` it clips first, and onnxruntime's
+    Clip takes NaN to the upper bound (``logit(NaN, eps=1e-6)`` was served 13.8)."""
+    out = core.aten_logit(self, eps)
+    return out if eps is None else op.Where(op.IsNaN(self), self, out)
+
+
 def _infinity_test(torchlib: Callable[[Any], Any], signs: Sequence[float]) -> Callable[[Any], Any]:
     """``torchlib``'s test for an infinity, but for float64 a comparison with each of ``signs``'
     infinities: torchlib casts to float32 first, where 1e300 is infinite (``isinf(1e300)`` was
@@ -523,6 +530,7 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.clamp_min.default: clamp_min,
     torch.ops.aten.clamp.Tensor: clamp_tensor,
     torch.ops.aten.xlogy.Tensor: xlogy,
+    torch.ops.aten.logit.default: logit,
     torch.ops.aten.linalg_vector_norm.default: vector_norm,
     torch.ops.aten.log_softmax.int: log_softmax,
     torch.ops.aten.isinf.default: _infinity_test(core.aten_isinf, (1, -1)),

@@ -371,3 +371,27 @@ def test_trap_xlogy_of_zero_and_nan_is_nan():
     got, want = _served(fn, (torch.rand(1, 3), torch.rand(1, 3)),
                         (torch.tensor([[0.0, -0.0, 1.0]]), torch.tensor([[torch.nan, torch.nan, 2.0]])))
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+SQUARE_ROOTS = {"x ** 0.5": lambda x: x ** 0.5, "x ** -0.5": lambda x: x ** -0.5,
+                "float_power(x, -0.5)": lambda x: torch.float_power(x, -0.5)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", SQUARE_ROOTS)
+def test_trap_a_power_of_a_half_is_a_square_root_as_in_torch(name, dtype):
+    # torch takes x ** 0.5 and x ** -0.5 as sqrt and rsqrt: NaN at -inf, -inf at -0.0 for -0.5;
+    # the graph's Pow follows C's pow there (0 and +inf; a trial).
+    fn = SQUARE_ROOTS[name]
+    got, want = _served(fn, (torch.rand(1, 4, dtype=dtype) + 0.5,), (torch.tensor([[-torch.inf, -0.0, 4.0, -1.0]], dtype=dtype),))
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(got.signbit() & ~got.isnan(), want.signbit() & ~want.isnan())  # -inf, -0.0 (a NaN's sign says nothing)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_trap_logit_with_eps_keeps_nan(dtype):
+    # torchlib clips x to [eps, 1 - eps] first, and onnxruntime's Clip takes NaN to the upper
+    # bound: logit(NaN, eps=1e-6) was served 13.8 (a trial).
+    fn = lambda x: torch.logit(x, eps=1e-6)  # noqa: E731
+    got, want = _served(fn, (torch.rand(1, 3, dtype=dtype),), (torch.tensor([[torch.nan, 0.5, 0.2]], dtype=dtype),))
+    torch.testing.assert_close(got, want, equal_nan=True)
