@@ -226,6 +226,14 @@ def test_trap_a_config_value_of_the_wrong_kind_is_refused_when_set(name, value, 
     assert getattr(cr.config, name) == before
 
 
+def test_trap_a_misspelt_config_setting_is_refused_naming_the_right_one():
+    # cr.config.cache_dri = None was taken without a word, and the disk cache the user meant to
+    # turn off kept being written (a trial).
+    with pytest.raises(AttributeError, match=r"clika_runtime.config has no setting 'cache_dri': did you mean 'cache_dir'"):
+        cr.config.cache_dri = None
+    assert not hasattr(cr.config, "cache_dri")
+
+
 @pytest.mark.parametrize("name, value", [
     ("cache_size", np.int64(4)), ("recapture_limit", math.inf), ("recapture_limit", np.int32(3)),
     ("intra_op_threads", 0), ("cache_max_bytes", 2e9), ("tolerances", {"float32": [1e-4, np.float32(1e-5)]}),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import os
@@ -62,8 +63,12 @@ class Config:
     def __setattr__(self, name: str, value: object) -> None:
         # A value of the wrong kind is refused where it is set: taken, it failed every capture
         # later with an error that named neither the setting nor the value.
-        check = _CHECKS.get(name)
-        if check is not None and not check[0](value):
+        if name not in _CHECKS:  # a misspelt setting, taken, changed nothing (cache_dri = None)
+            close = difflib.get_close_matches(name, _CHECKS, n=1)
+            hint = f": did you mean {close[0]!r}?" if close else f"; the settings are {', '.join(_CHECKS)}"
+            raise AttributeError(f"clika_runtime.config has no setting {name!r}{hint}")
+        check = _CHECKS[name]
+        if not check[0](value):
             error = TypeError if not isinstance(value, check[2]) else ValueError
             raise error(f"clika_runtime.config.{name}: expected {check[1]}, got {value!r}")
         super().__setattr__(name, value)
