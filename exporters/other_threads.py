@@ -10,6 +10,11 @@ model's modules already running in other threads have ended, and other threads' 
 reads and writes, and walks of its tensors (``state_dict``, ``parameters()``, ``.to()``) wait
 for it to end.
 
+A fork waits for the exports in progress to end (``_before_fork``): a child forked during one
+would find the model's tensors swapped for the trace's fakes and its modules' methods waiting for
+an export thread it does not have (a plain ``model(x)`` there waited, then raised). Where the
+wait ends first (an export past ``FORK_WAITS``), the child puts the methods back.
+
 A call from another thread that is given the trace's own tensors is the traced function's work
 done on a thread pool: a trace follows one thread, so that call raises ``InOtherThread`` (the
 export fails saying why) instead of waiting for an export that waits for it. A use that has
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
 import time
@@ -39,6 +45,10 @@ _POLL = 0.002
 # lock both take). A single step of an export that takes this long is not expected.
 STUCK_AFTER = 30.0
 _LOOK_EVERY = 0.25
+
+
+# How long a fork waits for the exports in progress in other threads to end.
+FORK_WAITS = 120.0
 
 
 class InOtherThread(RuntimeError):
@@ -61,14 +71,39 @@ def held(traced: torch.nn.Module, parked: Callable[[int], bool] | None = None) -
     gates = {name: gate.wrap(method) for name, method in originals.items()}
     for name, gated in gates.items():
         setattr(torch.nn.Module, name, gated)
+    _EXPORTING[gate] = (originals, gates)
     try:
         gate.drain(_codes(originals.values()))
         yield
     finally:
-        for name, gated in gates.items():
-            if getattr(torch.nn.Module, name) is gated:  # not replaced by someone else since
-                setattr(torch.nn.Module, name, originals[name])
-        gate.open()
+        _lifted(gate, originals, gates)
+        _EXPORTING.pop(gate, None)
+
+
+_EXPORTING: dict["_Gate", tuple[dict, dict]] = {}  # the exports in progress: their methods, as held put them
+
+
+def _lifted(gate: "_Gate", originals: dict, gates: dict) -> None:
+    for name, gated in gates.items():
+        if getattr(torch.nn.Module, name) is gated:  # not replaced by someone else since
+            setattr(torch.nn.Module, name, originals[name])
+    gate.open()
+
+
+def _before_fork() -> None:
+    deadline, here = time.monotonic() + FORK_WAITS, threading.get_ident()
+    for gate in list(_EXPORTING):
+        if gate.here != here:  # a fork from the traced code itself cannot wait for its own export
+            gate.done.wait(max(0.0, deadline - time.monotonic()))
+
+
+def _in_child() -> None:
+    for gate, (originals, gates) in list(_EXPORTING.items()):  # its thread is not in the child
+        _lifted(gate, originals, gates)
+    _EXPORTING.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_in_child)
 
 
 class _Gate:

@@ -79,3 +79,57 @@ def test_trap_a_forked_child_that_exits_leaves_the_parents_graphs(tmp_path):
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.onnx")], capture_output=True, text=True,
                             timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0 and "saved" in result.stdout, result.stderr[-2000:]
+
+
+_FORK_DURING_EXPORT = textwrap.dedent("""
+    import os, signal, threading, time, torch
+    import clika_runtime as cr
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tracing = threading.Event()
+
+    class Slow(torch.nn.Module):  # its trace holds the export open while the main thread forks
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            if isinstance(x, FakeTensor):
+                tracing.set()
+                time.sleep(1.0)
+            return self.fc(x)
+
+    model = Slow().eval()
+    f = cr.compile(model)
+    x = torch.randn(3, 8)
+
+    def warm_up():
+        with torch.no_grad():
+            f(x)
+
+    capture = threading.Thread(target=warm_up)
+    capture.start()
+    assert tracing.wait(60)
+    child = os.fork()
+    if child == 0:
+        signal.alarm(20)  # a child stuck on the export's gate ends here, with SIGALRM
+        with torch.no_grad():
+            plain, served = model(x), f(x)
+        ok = torch.equal(plain, model.fc(x)) and torch.allclose(served, plain, atol=1e-6)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(child, 0)
+    capture.join()
+    print(os.waitstatus_to_exitcode(status))
+""")
+
+
+def test_trap_a_fork_while_another_thread_exports_leaves_the_child_a_working_model(tmp_path):
+    """A fork while another thread exported the model (a DataLoader's workers starting while a
+    background warm-up captures): the child's plain ``model(x)``, ``state_dict()`` and compiled
+    calls each waited 30 s for the export's thread, which the child does not have, then raised
+    (a trial). A fork now waits for the exports in progress to end."""
+    env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": "", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", _FORK_DURING_EXPORT], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["0"], (result.stdout, result.stderr[-2000:])
