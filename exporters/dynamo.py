@@ -177,6 +177,19 @@ def root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: " + "\n".join(lines)
 
 
+def _interrupt_under(error: BaseException) -> BaseException | None:
+    """A ``KeyboardInterrupt`` (or ``SystemExit``) that the exporter's own handling turned into
+    another error: torch's ``except torch._dynamo.exc.UserError`` while ``torch._dynamo`` is half
+    imported (a Ctrl-C during the process's first export) raises ``AttributeError`` over it."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if not isinstance(error, Exception):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _innermost(error: BaseException) -> BaseException:
     while error.__cause__ is not None:
         error = error.__cause__
@@ -261,6 +274,9 @@ def _exported(flat: _Flat, examples: Sequence[Any], input_names: Sequence[str], 
                 flat, tuple(examples), list(input_names), _dynamic_shapes(examples, dynamic) if examples else None, optimize
             )
     except Exception as e:  # the exporter raises many unrelated types; the cause is what matters
+        interrupt = _interrupt_under(e)
+        if interrupt is not None:
+            raise interrupt from None
         if isinstance(_innermost(e), InOtherThread):
             raise Uncapturable(str(_innermost(e))) from e
         raise RuntimeError(root_cause(e)) from e

@@ -4,6 +4,10 @@ graphs handed out are the caller's to change."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import optree
 import pytest
 import torch
@@ -95,3 +99,43 @@ def test_autocast_is_seen_without_torchs_private_check(monkeypatch):
     assert not check()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert check()
+
+
+_CTRL_C_IN_FIRST_EXPORT = """
+import sys, torch, clika_runtime as cr
+cr.config.cache_dir = None
+assert "torch._dynamo" not in sys.modules
+
+
+class Interrupter:  # Ctrl-C as the first export imports torch._dynamo (a real SIGINT there does the same)
+    fired = False
+
+    def find_spec(self, name, path=None, target=None):
+        if not Interrupter.fired and name == "fx2trt_oss":  # looked for as torch._dynamo.trace_rules loads
+            Interrupter.fired = True
+            raise KeyboardInterrupt
+        return None
+
+
+sys.meta_path.insert(0, Interrupter())
+f = cr.compile(torch.nn.Linear(8, 4).eval())
+try:
+    with torch.inference_mode():
+        f(torch.randn(3, 8))
+    print("returned", f.state, f.fallback_reason)
+except KeyboardInterrupt:
+    print("interrupted", Interrupter.fired)
+"""
+
+
+def test_trap_a_ctrl_c_in_the_first_export_reaches_the_caller():
+    # torch's exporter catches `torch._dynamo.exc.UserError` while torch._dynamo is half
+    # imported: the AttributeError that raised replaced the KeyboardInterrupt, which became a
+    # failed capture, and the key served eagerly for good with a reason about torch._dynamo (a trial).
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-c", _CTRL_C_IN_FIRST_EXPORT], capture_output=True, text=True,
+                          timeout=300, env=env)
+    # (torch._dynamo stays half imported in that process, as after any import a Ctrl-C cut short.)
+    assert done.stdout.split() == ["interrupted", "True"], (done.stdout, done.stderr[-2000:])
