@@ -31,6 +31,8 @@ stay as exported.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import onnx_ir as ir
 
 _LIMB = 21  # bits: a limb sum of fewer than 2**31 terms stays below 2**52
@@ -62,6 +64,38 @@ _BITS = {ir.DataType.INT64: 64, ir.DataType.INT32: 32, ir.DataType.INT16: 16, ir
 _UNSIGNED = {ir.DataType.UINT8, ir.DataType.UINT16, ir.DataType.UINT32}
 
 
+class _Nodes:
+    """The nodes one rewrite makes, in the order they run, each output typed."""
+
+    def __init__(self) -> None:
+        self.made: list[ir.Node] = []
+
+    def add(self, op: str, inputs: list[ir.Value], dtype: ir.DataType, attributes: Iterable[ir.Attr] = (),
+            name: str | None = None) -> ir.Value:
+        made = ir.Node("", op, inputs, list(attributes), num_outputs=1, name=name)
+        made.outputs[0].dtype = dtype
+        self.made.append(made)
+        return made.outputs[0]
+
+    def constant(self, value: float | list[int], dtype: ir.DataType) -> ir.Value:
+        out = self.add("Constant", [], dtype, [ir.AttrTensor("value", ir.tensor(value, dtype=dtype))])
+        out.shape = ir.Shape([] if not isinstance(value, list) else [len(value)])
+        return out
+
+    def cast(self, value: ir.Value, to: ir.DataType) -> ir.Value:
+        return self.add("Cast", [value], to, [ir.AttrInt64("to", to)])
+
+    def wrapped(self, value: ir.Value, to: ir.DataType) -> ir.Value:
+        """``value`` (an integer) wrapped into ``to``'s range, still in its own type: ``x & mask``
+        (unsigned) or ``((x + half) & mask) - half`` (signed)."""
+        dtype, bits = value.dtype, _BITS[to]
+        mask = self.constant((1 << bits) - 1, dtype)
+        if to in _UNSIGNED:
+            return self.add("BitwiseAnd", [value, mask], dtype)
+        half = self.constant(1 << (bits - 1), dtype)
+        return self.add("Sub", [self.add("BitwiseAnd", [self.add("Add", [value, half], dtype), mask], dtype), half], dtype)
+
+
 def _narrowing_a_cast(node: ir.Node) -> bool:
     source, to = node.inputs[0], node.attributes["to"].as_int()
     producer = source.producer()
@@ -70,31 +104,10 @@ def _narrowing_a_cast(node: ir.Node) -> bool:
 
 
 def _wrapped(node: ir.Node) -> None:
-    """``node``, a cast to a narrower integer, as ``x & mask`` (unsigned) or ``((x + half) & mask) -
-    half`` (signed) in ``x``'s own type, then the cast of a value in range."""
-    source, to = node.inputs[0], ir.DataType(node.attributes["to"].as_int())
-    nodes: list[ir.Node] = []
-
-    def add(op: str, *inputs: ir.Value) -> ir.Value:
-        made = ir.Node("", op, list(inputs), num_outputs=1)
-        made.outputs[0].dtype, made.outputs[0].shape = source.dtype, source.shape
-        nodes.append(made)
-        return made.outputs[0]
-
-    def constant(v: int) -> ir.Value:
-        made = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(v, dtype=source.dtype))], num_outputs=1)
-        made.outputs[0].dtype, made.outputs[0].shape = source.dtype, ir.Shape([])
-        nodes.append(made)
-        return made.outputs[0]
-
-    bits = _BITS[to]
-    mask = constant((1 << bits) - 1)
-    if to in _UNSIGNED:
-        in_range = add("BitwiseAnd", source, mask)
-    else:
-        half = constant(1 << (bits - 1))
-        in_range = add("Sub", add("BitwiseAnd", add("Add", source, half), mask), half)
-    node.graph.insert_before(node, nodes)
+    """``node``, a cast to a narrower integer, given a value already in its range."""
+    nodes = _Nodes()
+    in_range = nodes.wrapped(node.inputs[0], ir.DataType(node.attributes["to"].as_int()))
+    node.graph.insert_before(node, nodes.made)
     node.replace_input_with(0, in_range)
 
 
@@ -116,77 +129,53 @@ def _of_sizes(value: ir.Value) -> bool:
 
 def _in_double(node: ir.Node) -> None:
     """``node``'s integer product taken in double, cast back, failing the run where it is not exact."""
-    dtype, nodes = node.inputs[0].dtype, []
-
-    def add(op: str, inputs: list[ir.Value], to: ir.DataType, attributes=(), name: str | None = None) -> ir.Value:
-        made = ir.Node("", op, inputs, list(attributes), num_outputs=1, name=name)
-        made.outputs[0].dtype = to
-        nodes.append(made)
-        return made.outputs[0]
-
-    def constant(tensor: ir.TensorProtocol) -> ir.Value:
-        return add("Constant", [], tensor.dtype, [ir.AttrTensor("value", tensor)])
-
-    product = add("ReduceProd", [add("Cast", [node.inputs[0]], ir.DataType.DOUBLE, [ir.AttrInt64("to", ir.DataType.DOUBLE)]),
-                                 *node.inputs[1:]], ir.DataType.DOUBLE, node.attributes.values())
-    exact = add("Less", [add("Abs", [product], ir.DataType.DOUBLE), constant(ir.tensor(2.0**53, dtype=ir.DataType.DOUBLE))],
-                ir.DataType.BOOL)
-    past = add("Cast", [add("Not", [exact], ir.DataType.BOOL)], ir.DataType.INT64, [ir.AttrInt64("to", ir.DataType.INT64)])
-    one = add("Gather", [constant(ir.tensor([1], dtype=ir.DataType.INT64)), past], ir.DataType.INT64,
-              name=f"{node.name or 'prod'}_{DECLINES}")  # [1][1] is past the end
-    out = add("Cast", [product], ir.DataType.INT64, [ir.AttrInt64("to", ir.DataType.INT64)])
-    if dtype == ir.DataType.INT32:  # wrapped as torch's int32 product is, in int64 (onnxruntime merges
-        half = constant(ir.tensor(1 << 31, dtype=ir.DataType.INT64))  # two casts into one that saturates)
-        low = add("BitwiseAnd", [add("Add", [out, half], ir.DataType.INT64),
-                                 constant(ir.tensor((1 << 32) - 1, dtype=ir.DataType.INT64))], ir.DataType.INT64)
-        out = add("Sub", [low, half], ir.DataType.INT64)
-        out, one = (add("Cast", [v], dtype, [ir.AttrInt64("to", dtype)]) for v in (out, one))
-    total = add("Mul", [out, one], dtype)
+    dtype, nodes, double, int64 = node.inputs[0].dtype, _Nodes(), ir.DataType.DOUBLE, ir.DataType.INT64
+    product = nodes.add("ReduceProd", [nodes.cast(node.inputs[0], double), *node.inputs[1:]], double,
+                        node.attributes.values())
+    exact = nodes.add("Less", [nodes.add("Abs", [product], double), nodes.constant(2.0**53, double)], ir.DataType.BOOL)
+    past = nodes.cast(nodes.add("Not", [exact], ir.DataType.BOOL), int64)
+    one = nodes.add("Gather", [nodes.constant([1], int64), past], int64,
+                    name=f"{node.name or 'prod'}_{DECLINES}")  # [1][1] is past the end
+    out = nodes.cast(product, int64)
+    if dtype == ir.DataType.INT32:  # wrapped in int64 first: two casts in a row, onnxruntime merges into one that saturates
+        out, one = nodes.cast(nodes.wrapped(out, dtype), dtype), nodes.cast(one, dtype)
+    total = nodes.add("Mul", [out, one], dtype)
     total.shape = node.outputs[0].shape
-    _replace(node, nodes, total)
+    _replace(node, nodes.made, total)
 
 
 def _wrapped_from_int64(node: ir.Node) -> None:
-    wide = _cast(node.inputs[0], ir.DataType.INT64)
-    summed = _like(node, wide.outputs[0], ir.DataType.INT64)
-    back = _cast(summed.outputs[0], ir.DataType.INT32)
-    _replace(node, [wide, summed, back], back.outputs[0])
+    nodes = _Nodes()
+    summed = _like(node, nodes.cast(node.inputs[0], ir.DataType.INT64), ir.DataType.INT64)
+    nodes.made.append(summed)
+    back = nodes.cast(summed.outputs[0], ir.DataType.INT32)
+    back.shape = node.outputs[0].shape
+    _replace(node, nodes.made, back)
     _in_limbs(summed)  # an int32 sum of more than 2**22 large terms passes 2**53 in int64 too
 
 
 def _in_limbs(node: ir.Node) -> None:
     """``node``'s int64 sum as the wrapped sum of its terms' three limbs: ``x = a + b * 2**21 + c *
     2**42`` with ``a`` and ``b`` in [0, 2**21) and ``|c| <= 2**21``."""
-    nodes: list[ir.Node] = []
-
-    def add(op: str, *inputs: ir.Value) -> ir.Value:
-        made = ir.Node("", op, list(inputs), num_outputs=1)
-        made.outputs[0].dtype = ir.DataType.INT64
-        nodes.append(made)
-        return made.outputs[0]
-
-    def constant(v: int) -> ir.Value:
-        made = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(v, dtype=ir.DataType.INT64))], num_outputs=1)
-        made.outputs[0].dtype, made.outputs[0].shape = ir.DataType.INT64, ir.Shape([])
-        nodes.append(made)
-        return made.outputs[0]
-
-    mask, base = constant((1 << _LIMB) - 1), constant(1 << _LIMB)
-    sums, rest = [], node.inputs[0]
+    nodes, int64 = _Nodes(), ir.DataType.INT64
+    mask, base = nodes.constant((1 << _LIMB) - 1, int64), nodes.constant(1 << _LIMB, int64)
+    limbs, rest = [], node.inputs[0]
     for _ in range(2):
-        limb = add("BitwiseAnd", rest, mask)
-        rest = add("Div", add("Sub", rest, limb), base)  # exact: the low bits are gone
-        sums.append(limb)
-    sums.append(rest)
-    summed = []
-    for limb in sums:
-        reduce = _like(node, limb, ir.DataType.INT64)
-        nodes.append(reduce)
-        summed.append(reduce.outputs[0])
-    low, middle, high = summed
-    total = add("Add", low, add("Mul", add("Add", middle, add("Mul", high, base)), base))
+        limb = nodes.add("BitwiseAnd", [rest, mask], int64)
+        rest = nodes.add("Div", [nodes.add("Sub", [rest, limb], int64), base], int64)  # exact: the low bits are gone
+        limbs.append(limb)
+    limbs.append(rest)
+    low, middle, high = (_summed(nodes, node, limb) for limb in limbs)
+    total = nodes.add("Add", [low, nodes.add("Mul", [nodes.add("Add", [middle, nodes.add("Mul", [high, base], int64)], int64),
+                                                     base], int64)], int64)
     total.shape = node.outputs[0].shape
-    _replace(node, nodes, total)
+    _replace(node, nodes.made, total)
+
+
+def _summed(nodes: _Nodes, node: ir.Node, data: ir.Value) -> ir.Value:
+    reduce = _like(node, data, ir.DataType.INT64)
+    nodes.made.append(reduce)
+    return reduce.outputs[0]
 
 
 def _like(node: ir.Node, data: ir.Value, dtype: ir.DataType) -> ir.Node:
@@ -203,9 +192,3 @@ def _replace(node: ir.Node, nodes: list[ir.Node], out: ir.Value) -> None:
     graph.remove(node, safe=True)
     if name is not None:  # a graph output keeps its name
         out.name = name
-
-
-def _cast(value: ir.Value, to: ir.DataType) -> ir.Node:
-    node = ir.Node("", "Cast", [value], [ir.AttrInt64("to", to)], num_outputs=1)
-    node.outputs[0].dtype, node.outputs[0].shape = to, value.shape
-    return node
