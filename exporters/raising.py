@@ -66,6 +66,16 @@ def full_like(self: Any, fill_value: Any, dtype: int = -1, layout: str = "", dev
     return core.aten_full_like(self, checked, dtype, layout, device, pin_memory, memory_format)
 
 
+def masked_fill(self: Any, mask: Any, value: Any) -> Any:
+    """torchlib's ``masked_fill`` by a number, failing where it is out of ``self``'s range."""
+    return core.aten_masked_fill(self, mask, in_range(value, self.dtype))
+
+
+def fill(self: Any, value: Any) -> Any:
+    """torchlib's ``fill`` (``fill_``) by a number, failing where it is out of ``self``'s range."""
+    return core.aten_fill(self, in_range(value, self.dtype))
+
+
 def _static_nonempty(x: Any, axes: Sequence[int]) -> bool:
     return all(isinstance(x.shape[a], int) and x.shape[a] > 0 for a in axes)
 

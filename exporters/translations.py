@@ -512,6 +512,8 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.full.default: raising.full,
     torch.ops.aten.full_like.default: raising.full_like,
     torch.ops.aten.new_full.default: raising.new_full,
+    torch.ops.aten.masked_fill.Scalar: raising.masked_fill,
+    torch.ops.aten.fill.Scalar: raising.fill,
     torch.ops.aten.bincount.default: raising.bincount,
     torch.ops.aten.repeat_interleave.Tensor: raising.repeat_interleave,
     torch.ops.aten.pow.Tensor_Tensor: integer_power.pow_tensor_tensor,

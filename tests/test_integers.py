@@ -175,15 +175,12 @@ _INTO_NARROW = {
     "masked_fill uint8": lambda x: (x > 0).to(torch.uint8).masked_fill(x > 1, x.shape[-1]),
     "new_full int16": lambda x: x.new_full((2,), x.shape[-1] * 200, dtype=torch.int16),
     "full float16": lambda x: torch.full((2,), x.shape[-1] * 400, dtype=torch.float16) + x[0, :2].half(),
+    "where uint8": lambda x: torch.where(x > 0, (x > 0).to(torch.uint8), x.shape[-1]),
+    "fill_ uint8": lambda x: (x > 0).to(torch.uint8).fill_(x.shape[-1]),
 }
 
 
-_STILL_WRAPS = pytest.mark.xfail(strict=True, reason="the exporter makes the number a 0-d tensor before "
-                                 "a translation sees it (torch.onnx's own handling of scalar_tensor on sizes)")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_STILL_WRAPS) if n.startswith("masked_fill") else n
-                                  for n in _INTO_NARROW])
+@pytest.mark.parametrize("name", _INTO_NARROW)
 def test_trap_a_size_too_large_for_its_dtype_raises_as_in_torch(name):
     # A size written into a narrower dtype: torch raises ("value cannot be converted to type
     # uint8_t without overflow"); the graph wrapped it (300 served as 44) or made it inf (a
