@@ -419,6 +419,20 @@ def logit(self: Any, eps: float | None = None) -> Any:
     return out if eps is None else op.Where(op.IsNaN(self), self, out)
 
 
+def _input_ignored_at_beta_0(torchlib: Callable[..., Any], product: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """``torchlib``'s ``beta * input + alpha * product``, but ``alpha * product`` alone where beta
+    is 0: torch ignores ``input`` then (a ``torch.empty()`` buffer may hold NaN), and 0 * NaN is
+    NaN (``baddbmm``, ``addbmm``, ``addmv``; torchlib's ``addmm`` does it already)."""
+
+    def translated(self: Any, first: Any, second: Any, beta: Any = 1.0, alpha: Any = 1.0) -> Any:
+        if not (isinstance(beta, (int, float)) and beta == 0):
+            return torchlib(self, first, second, beta=beta, alpha=alpha)
+        out = product(first, second)
+        return out if alpha == 1 else op.Mul(out, op.CastLike(op.Constant(value_float=float(alpha)), out))
+
+    return translated
+
+
 def _infinity_test(torchlib: Callable[[Any], Any], signs: Sequence[float]) -> Callable[[Any], Any]:
     """``torchlib``'s test for an infinity, but for float64 a comparison with each of ``signs``'
     infinities: torchlib casts to float32 first, where 1e300 is infinite (``isinf(1e300)`` was
@@ -532,6 +546,10 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.clamp_min.default: clamp_min,
     torch.ops.aten.clamp.Tensor: clamp_tensor,
     torch.ops.aten.xlogy.Tensor: xlogy,
+    torch.ops.aten.baddbmm.default: _input_ignored_at_beta_0(core.aten_baddbmm, op.MatMul),
+    torch.ops.aten.addbmm.default: _input_ignored_at_beta_0(
+        core.aten_addbmm, lambda a, b: op.ReduceSum(op.MatMul(a, b), op.Constant(value_ints=[0]), keepdims=0)),
+    torch.ops.aten.addmv.default: _input_ignored_at_beta_0(core.aten_addmv, op.MatMul),
     torch.ops.aten.logit.default: logit,
     torch.ops.aten.linalg_vector_norm.default: vector_norm,
     torch.ops.aten.log_softmax.int: log_softmax,

@@ -395,3 +395,21 @@ def test_trap_logit_with_eps_keeps_nan(dtype):
     fn = lambda x: torch.logit(x, eps=1e-6)  # noqa: E731
     got, want = _served(fn, (torch.rand(1, 3, dtype=dtype),), (torch.tensor([[torch.nan, 0.5, 0.2]], dtype=dtype),))
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+IGNORED_AT_BETA_0 = {
+    "baddbmm": (lambda c, a, b: torch.baddbmm(c, a, b, beta=0.0, alpha=2.0), ((2, 3, 5), (2, 3, 4), (2, 4, 5))),
+    "addbmm": (lambda c, a, b: torch.addbmm(c, a, b, beta=0), ((3, 5), (2, 3, 4), (2, 4, 5))),
+    "addmv": (lambda c, a, v: torch.addmv(c, a, v, beta=0, alpha=0.5), ((3,), (3, 4), (4,))),
+    "addmm": (lambda c, a, b: torch.addmm(c, a, b, beta=0), ((3, 5), (3, 4), (4, 5))),
+}
+
+
+@pytest.mark.parametrize("name", IGNORED_AT_BETA_0)
+def test_trap_an_input_scaled_by_beta_0_is_ignored_as_in_torch(name):
+    # torch ignores `input` when beta is 0 (a torch.empty() buffer may hold NaN); the graph
+    # multiplied it by 0 and served NaN (a trial).
+    fn, shapes = IGNORED_AT_BETA_0[name]
+    ordinary = tuple(torch.randn(s) for s in shapes)
+    got, want = _served(fn, ordinary, (torch.full(shapes[0], torch.nan), *ordinary[1:]))
+    torch.testing.assert_close(got, want)
