@@ -19,6 +19,11 @@ served one position more than eager. Ours computes torch's length in double; wit
 ``align_corners`` it resizes to that length (torch's source index is then ``(in - 1) / (out - 1)``
 of the lengths, as onnxruntime's), else by a float32 scale factor whose length is never shorter
 (``_at_least``; torch's source index divides by the scale factor) and cut to it.
+
+A resize that weighs pixels (linear, cubic, antialiased) of an integer image is not exported:
+torch computes uint8 resizes with fixed-point weights and rounding of its own, and onnxruntime's
+Resize rounds otherwise (a graph verified on one image served others a pixel off). Such calls run
+eagerly, saying why. Nearest resizes only pick pixels and are exact either way.
 """
 
 from __future__ import annotations
@@ -131,10 +136,24 @@ def _at_least(scale_factor: float) -> float:
     return float(np.nextafter(nearest, np.float32(np.inf)))
 
 
+def _floats_only(resize: Callable[..., Any]) -> Callable[..., Any]:
+    """``resize``, refusing an integer image (module docstring)."""
+    def weighed(input: Any, *args: Any, **kwargs: Any) -> Any:
+        if not input.dtype.is_floating_point():
+            raise NotImplementedError(
+                f"a {input.dtype.name.lower()} image resized with weights: torch rounds its fixed-point weights as "
+                "onnxruntime's Resize does not (pixels a step off); resize a float image, or use mode='nearest'")
+        return resize(input, *args, **kwargs)
+
+    return weighed
+
+
 TABLE: dict[Any, Callable[..., Any]] = {
     **{getattr(torch.ops.aten, f"upsample_nearest{n}d").vec: _upsample_nearest(exact=False) for n in (1, 2, 3)},
     **{getattr(torch.ops.aten, f"_upsample_nearest_exact{n}d").vec: _upsample_nearest(exact=True) for n in (1, 2, 3)},
-    torch.ops.aten.upsample_bilinear2d.vec: _scaled("linear", nn.aten_upsample_bilinear2d_vec),
-    torch.ops.aten.upsample_trilinear3d.vec: _scaled("linear", nn.aten_upsample_trilinear3d_vec),
-    torch.ops.aten.upsample_bicubic2d.vec: _scaled("cubic", nn.aten_upsample_bicubic2d_vec),
+    torch.ops.aten.upsample_bilinear2d.vec: _floats_only(_scaled("linear", nn.aten_upsample_bilinear2d_vec)),
+    torch.ops.aten.upsample_trilinear3d.vec: _floats_only(_scaled("linear", nn.aten_upsample_trilinear3d_vec)),
+    torch.ops.aten.upsample_bicubic2d.vec: _floats_only(_scaled("cubic", nn.aten_upsample_bicubic2d_vec)),
+    torch.ops.aten._upsample_bilinear2d_aa.default: _floats_only(nn.aten__upsample_bilinear2d_aa),
+    torch.ops.aten._upsample_bicubic2d_aa.default: _floats_only(nn.aten__upsample_bicubic2d_aa),
 }
