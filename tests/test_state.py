@@ -952,3 +952,73 @@ def test_trap_a_class_the_forward_names_has_its_settings_watched():
             torch.testing.assert_close(f(x), x * 4.0)
     finally:
         _Scaled.SCALE = 2.0
+
+
+SCALE = 2.0
+ENCODER = torch.nn.Linear(4, 4)
+
+
+class _NoGradForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    @torch.no_grad()
+    def forward(self, x):
+        return self.fc(x) * SCALE
+
+
+class _InferenceForward(_NoGradForward):
+    @torch.inference_mode()
+    def forward(self, x):
+        return ENCODER(self.fc(x))
+
+
+def _embed(x):  # a helper the target calls: its global model
+    return ENCODER(x)
+
+
+def _timed(fn):  # a decorator without functools.wraps
+    def wrapper(*args):
+        return fn(*args)
+    return wrapper
+
+
+@_timed
+def _scaled(x):
+    return x * SCALE
+
+
+_BEHIND = {
+    "a global read by a decorated forward": (_NoGradForward, lambda: _set_scale(5.0)),
+    "a global model called by a decorated forward": (_InferenceForward, lambda: ENCODER.weight.mul_(2)),
+    "a global model called by a helper": (lambda: lambda x: _embed(x) + 1, lambda: ENCODER.weight.mul_(2)),
+    "a global read behind a decorator without wraps": (lambda: _scaled, lambda: _set_scale(5.0)),
+}
+
+
+def _set_scale(value):
+    global SCALE
+    SCALE = value
+
+
+@pytest.mark.parametrize("name", _BEHIND)
+def test_trap_state_read_behind_a_decorator_or_a_helper_is_followed(name):
+    # A forward decorated with @torch.no_grad() was watched through torch's wrapper: the globals
+    # and models the user's forward reads went unseen, and after a change the old graph served
+    # (a trial). So were models a helper function reaches through a global.
+    make, change = _BEHIND[name]
+    target = make()
+    target = target.eval() if isinstance(target, torch.nn.Module) else target
+    f = cr.compile(target)
+    x = torch.randn(3, 4)
+    saved = ENCODER.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            f(x), f(x)
+            change()
+            torch.testing.assert_close(f(x), target(x))
+    finally:
+        _set_scale(2.0)
+        with torch.no_grad():
+            ENCODER.weight.copy_(saved)

@@ -65,7 +65,8 @@ def parts_read(fn: Any, owner: torch.nn.Module | None) -> tuple[list[Part], "_Wa
         parts += _module_tree(owner, "", walk)
         parts += _class_forwards(owner)
         forward = _forward(fn, owner)
-        parts += _globals(forward, walk) if forward is not None else []
+        for layer in _unwrapped(forward) if forward is not None else ():  # @torch.no_grad() on forward
+            parts += _globals(layer, walk) if isinstance(layer, types.FunctionType) and ours(layer) else []
     else:
         for layer in _unwrapped(fn):
             parts += _callable(layer, walk)
@@ -98,6 +99,7 @@ class _Walk:
     names: set[str] = field(default_factory=set)  # the names the user's own functions and methods walked use
     classes: set[type] = field(default_factory=set)  # the modules' classes whose methods' names are in ``names``
     code_seen: set[int] = field(default_factory=set)  # the functions whose names are in ``names``
+    globals_seen: set[int] = field(default_factory=set)  # the functions whose globals are watched
     attention: bool = False  # a module whose eager answer follows ``torch.backends.mha``'s fast-path flag
     reached: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     holders: dict[int, Any] = field(default_factory=dict)  # the objects whose attributes are watched, by their dict's id
@@ -263,15 +265,23 @@ def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
 
 
 
-def _globals(fn: types.FunctionType, walk: _Walk) -> list[Part]:
-    """The globals ``fn``'s code names (modules aside: ``torch``, ``F``) and what they hold."""
+def _globals(fn: types.FunctionType, walk: _Walk, depth: int = _CALLED_DEPTH) -> list[Part]:
+    """The globals ``fn``'s code names (modules aside: ``torch``, ``F``) and what they hold; and
+    those of the user's functions it calls, ``depth`` calls down (named as globals or closed
+    over: a helper calling a global model, a decorator's wrapper calling the function it wraps)."""
+    if id(fn) in walk.globals_seen:
+        return []
+    walk.globals_seen.add(id(fn))
     namespace = fn.__globals__
     read = sorted({k for k in global_names(fn.__code__) if k in namespace and not isinstance(namespace[k], types.ModuleType)})
-    if not read:
-        return []
-    parts = [replace(dict_part("global", namespace, read, sized=False), variables=True)]
+    parts = [replace(dict_part("global", namespace, read, sized=False), variables=True)] if read else []
     for name in read:
         parts += _held(namespace[name], name, walk)
+    if depth > 0:
+        called = [namespace[name] for name in read] + [c.cell_contents for c in fn.__closure__ or () if filled(c)]
+        for inner in called:
+            if isinstance(inner, types.FunctionType) and ours(inner):
+                parts += _globals(inner, walk, depth - 1)
     return parts
 
 
@@ -364,7 +374,7 @@ def _names_of(value: Any, seen: set[int]) -> set[str]:
     """The names a function uses; a method's, a static or class method's, a partial's, what a
     decorator wraps; a decorator object of the user's class: its methods'."""
     for _ in range(4):  # unwrapping, a few layers
-        if isinstance(value, types.FunctionType):
+        if isinstance(value, types.FunctionType) and (ours(value) or not hasattr(value, "__wrapped__")):
             return _code_names(value, seen) if ours(value) else set()
         if isinstance(value, type):
             return set()
