@@ -436,3 +436,13 @@ def test_trap_a_uint8_image_resized_with_weights_runs_eagerly(name):
             x = torch.randint(0, 256, (1, 3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
             assert torch.equal(f(x), fn(x)), seed
     assert not f.captures and f.eager_keys  # said, with the reason
+
+
+@pytest.mark.parametrize("reduce", [lambda x: torch.var(x, dim=1), lambda x: torch.std(x, dim=1),
+                                    lambda x: torch.var_mean(x, dim=1, correction=0)[0]], ids=["var", "std", "var_mean"])
+def test_trap_a_variance_about_a_large_mean_is_as_accurate_as_torchs(reduce):
+    # torchlib's variance subtracts a float32 mean: about a mean of 1e6 it was 0.8% off (torch
+    # accumulates in double; a trial).
+    big = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) + 1e6
+    got, want = _served(reduce, (torch.randn(4, 64),), (big,))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
