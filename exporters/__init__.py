@@ -7,7 +7,7 @@ from exporters.dynamo import (
     DrawsRandom, ExportedGraph, Uncapturable, WritesState, export_graph, model_bytes, outputs, save,
 )
 from exporters.fusion import save_fused
-from exporters.integers import DECLINES
+from exporters.raising import DECLINES
 
 __all__ = [
     "DECLINES", "DrawsRandom", "ExportedGraph", "Uncapturable", "WritesState", "export_graph", "model_bytes", "outputs", "save",

@@ -35,8 +35,9 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
+from exporters.raising import DECLINES
+
 _LIMB = 21  # bits: a limb sum of fewer than 2**31 terms stays below 2**52
-DECLINES = "declines_these_values"  # in the name of a node that fails where the graph cannot answer exactly
 _SHAPE_OPS = {"Shape", "Size", "Constant", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Cast"}
 _SMALL = {ir.DataType.BOOL, ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UINT16, ir.DataType.INT16}
 

@@ -17,10 +17,23 @@ from onnxscript.function_libs.torch_lib.ops import core
 from onnxscript.onnx_opset import opset18 as op
 
 
-def unless(ok: Any, out: Any, dtype: Any) -> Any:
+# In the name of a node that fails the run where the graph cannot answer exactly values torch
+# answers: the caller answers that call eagerly and keeps the graph (``declining``).
+DECLINES = "declines_these_values"
+
+
+def declining(ok: Any, out: Any, dtype: Any) -> Any:
+    """``unless``, its failing node named ``DECLINES``: for values torch answers (no error to
+    raise) that the graph cannot (a NaN onnxruntime's kernel drops)."""
+    return unless(ok, out, dtype, name=DECLINES)
+
+
+def unless(ok: Any, out: Any, dtype: Any, name: str | None = None) -> Any:
     """``out`` (of ``dtype``: torchlib's values do not always say theirs), or a failed run where
-    ``ok`` (a bool scalar) is false."""
+    ``ok`` (a bool scalar) is false, in a node named after ``name`` where one is given."""
     one = op.Gather(op.Constant(value_ints=[1]), op.Cast(op.Not(ok), to=ir.DataType.INT64))  # [1][1]: past the end
+    if name is not None:
+        one.producer().name = f"{name}_{id(one)}"
     if dtype == ir.DataType.BOOL:
         return op.And(out, op.Cast(one, to=ir.DataType.BOOL))
     return op.Mul(out, op.CastLike(one, out))  # 1 * x is x: NaN, infinities and -0.0 stay

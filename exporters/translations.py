@@ -134,6 +134,31 @@ def _index_checked(torchlib: Callable[..., Any]) -> Callable[..., Any]:
     return translated
 
 
+def _no_nan(*tensors: Any) -> Any:
+    """Whether none of ``tensors`` holds a NaN (a bool scalar)."""
+    flags = [op.ReduceMax(_nan_flags(t), keepdims=0) for t in tensors]
+    return op.Not(op.Cast(flags[0] if len(flags) == 1 else op.Max(*flags), to=ir.DataType.BOOL))
+
+
+def unique2(self: Any, sorted: bool = True, return_inverse: bool = False, return_counts: bool = False) -> Any:
+    """torchlib's ``_unique2``, declining a float input holding NaN: onnxruntime's Unique merged
+    NaN into another value's count, where torch keeps each NaN apart."""
+    out = core.aten__unique2(self, sorted, return_inverse, return_counts)
+    if self.dtype not in _FLOATS:
+        return out
+    ok = _no_nan(self)
+    return tuple(raising.declining(ok, value, dtype) for value, dtype in zip(out, (self.dtype, ir.DataType.INT64, ir.DataType.INT64)))
+
+
+def scatter_reduce(self: Any, dim: int, index: Any, src: Any, reduce: str, include_self: bool = True) -> Any:
+    """``scatter_reduce`` (a negative index refused, ``_index_checked``); by ``amax`` or ``amin``,
+    declining floats holding NaN: onnxruntime's ScatterElements max and min skip NaN."""
+    out = _index_checked(core.aten_scatter_reduce)(self, dim, index, src, reduce, include_self)
+    if reduce not in ("amax", "amin") or self.dtype not in _FLOATS:
+        return out
+    return raising.declining(_no_nan(self, src), out, self.dtype)
+
+
 def index_add(self: Any, dim: int, index: Any, source: Any, alpha: float = 1) -> Any:
     """``self`` with ``alpha * source`` added at ``index`` along ``dim`` (torchlib has none:
     torch's decomposition into ``index_put`` took a negative index from the end)."""
@@ -587,7 +612,8 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.scatter.src: _index_checked(core.aten_scatter_src),
     torch.ops.aten.scatter.value: _index_checked(core.aten_scatter_value),
     torch.ops.aten.scatter_add.default: _index_checked(core.aten_scatter_add),
-    torch.ops.aten.scatter_reduce.two: _index_checked(core.aten_scatter_reduce),
+    torch.ops.aten.scatter_reduce.two: scatter_reduce,
+    torch.ops.aten._unique2.default: unique2,
     torch.ops.aten.index_add.default: index_add,
     torch.ops.aten.index_copy.default: index_copy,
     torch.ops.aten.nll_loss.default: losses.nll_loss,
