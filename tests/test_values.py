@@ -473,3 +473,16 @@ def test_trap_ops_whose_kernels_drop_nan_answer_as_torch(name):
         torch.testing.assert_close(got, want, equal_nan=True)
         f(*ordinary)
     assert sum(c.hits for c in f.captures) >= 2  # the graph kept serving
+
+
+@pytest.mark.parametrize("fn", [torch.special.erfcx, torch.special.log_ndtr], ids=["erfcx", "log_ndtr"])
+def test_trap_functions_torchlib_computes_wrong_in_their_tails_run_eagerly(fn):
+    # torchlib's erfcx is exp(x^2) * erfc(x): 0 from x >= 4 (erfc underflows) and NaN past 9,
+    # where torch's is about 0.1; log_ndtr builds on it (NaN from -10 down). A graph verified on
+    # ordinary values served those (a trial). Both now run eagerly.
+    f = cr.compile(fn)
+    tails = torch.tensor([5.0, 9.0, 30.0, -10.0, -20.0, -100.0, 0.5, -0.5])
+    with torch.no_grad():
+        f(torch.randn(8)), f(torch.randn(8))
+        torch.testing.assert_close(f(tails), fn(tails), equal_nan=True)
+    assert not f.captures
