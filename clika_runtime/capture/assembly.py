@@ -9,6 +9,7 @@ fused graph to the portable one."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -148,7 +149,30 @@ def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: b
                 folder.drop_reduced() or folder.drop_fused()
         return opened(folder.model, optimize, keep)
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
-        raise CaptureError(f"onnxruntime could not load the exported graph: {first_line(e)}") from e
+        raise CaptureError(f"onnxruntime could not load the exported graph: {first_line(e)}{_kernel_hint(e, folder.model)}") from e
+
+
+_NO_KERNEL = re.compile(r"Could not find an implementation for (\w+)\(")
+# ONNX element types onnxruntime's CPU provider lacks kernels in, by torch's name for them.
+_SPARSE_TYPES = {11: "float64", 10: "float16", 16: "bfloat16"}
+
+
+def _kernel_hint(error: Exception, model: Any) -> str:
+    """What to do when onnxruntime has no kernel for an op of the graph: its words name the op
+    and its opset only (``Could not find an implementation for Erf(13)``)."""
+    missing = _NO_KERNEL.search(str(error))
+    if missing is None:
+        return ""
+    try:
+        import onnx
+
+        graph = onnx.load(str(model), load_external_data=False).graph
+        kinds = {t.data_type for t in graph.initializer} | {v.type.tensor_type.elem_type for v in graph.input}
+    except Exception:  # the file cannot say: the hint without the types
+        kinds = set()
+    types = " or ".join(sorted(_SPARSE_TYPES[k] for k in kinds if k in _SPARSE_TYPES)) or "this graph's types"
+    return (f" (onnxruntime has no {missing.group(1)} kernel for {types} here: convert the model to float32, "
+            "model.float(), to have it served)")
 
 
 def _verify(capture: Capture, feeds: list[Any], eager_leaves: list[Any], names: list[str],
