@@ -7,8 +7,8 @@ square-and-multiply in the integer type, a product that overflows wrapping as it
 a negative exponent gives 0 but for a base of 1 (1) and -1 (+-1 by the exponent's parity).
 A number exponent is unrolled by its bits; a tensor exponent takes one step per bit of its type
 (63 for int64). Types onnxruntime has no integer product for (int8, int16, uint8) are computed
-in int64 and cast back, which wraps the same. (A float to the power 0.5 or -0.5 is torch's
-``sqrt`` or ``rsqrt`` here too: the translation of ``x ** number`` is this module's.)
+in int64 and cast back, which wraps the same. (A float32, float64 or bfloat16 to the power 0.5 or
+-0.5 is torch's ``sqrt`` or ``rsqrt`` here too: the translation of ``x ** number`` is this module's.)
 """
 
 from __future__ import annotations
@@ -31,13 +31,17 @@ def pow_tensor_tensor(self: Any, exponent: Any) -> Any:
 
 
 def pow_tensor_scalar(self: Any, exponent: Any) -> Any:
-    if not _integer(self) and isinstance(exponent, float) and exponent in (0.5, -0.5):
+    if self.dtype in _ROOTED and isinstance(exponent, float) and exponent in (0.5, -0.5):
         # torch's sqrt and rsqrt: NaN at -inf, and 1 / -0.0 = -inf for -0.5 (C's pow: 0, +inf, inf)
         root = op.Sqrt(self)
         return root if exponent > 0 else op.Reciprocal(root)
     if not (_integer(self) and isinstance(exponent, int) and not isinstance(exponent, bool) and exponent >= 0):
         return core.aten_pow_tensor_scalar(self, exponent)
     return _in_multiplied(self, lambda base: _powi_number(base, exponent))
+
+
+# The dtypes whose CPU kernel computes x ** 0.5 and x ** -0.5 as sqrt and rsqrt (float16's is pow's).
+_ROOTED = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
 
 
 def pow_scalar(self: Any, exponent: Any) -> Any:

@@ -25,12 +25,14 @@ into one cast from the float, which saturates where torch's second cast wraps (`
 2**32 + 5 was served as 2147483647, not 5). Such a narrowing is written as the wrap it is (a
 ``BitwiseAnd`` in the wider type), so that the cast after it only ever meets values it holds.
 
-Inside an ``If``'s branch the rewrites broke onnxruntime's single assignment, so reductions there
-stay as exported.
+Branches of an ``If`` (``torch.cond``) are rewritten too; every value made here has a name of its
+own (``_unique_name``): names a subgraph's values got repeated the main graph's, which
+onnxruntime refuses.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import onnx_ir as ir
@@ -43,9 +45,9 @@ _SMALL = {ir.DataType.BOOL, ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UIN
 
 
 def exact(model: ir.Model) -> None:
-    """Rewrite the main graph's int32 and int64 ``ReduceSum`` and ``ReduceProd`` nodes to be
-    exact and wrap, or decline the call; and its narrowing casts of a cast to wrap."""
-    for node in list(model.graph):
+    """Rewrite the int32 and int64 ``ReduceSum`` and ``ReduceProd`` nodes to be exact and wrap, or
+    decline the call; and the narrowing casts of a cast to wrap (branches included)."""
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
         if node.domain != "" or not node.inputs or node.inputs[0] is None:
             continue
         if node.op_type == "Cast" and _narrowing_a_cast(node):
@@ -74,7 +76,7 @@ class _Nodes:
     def add(self, op: str, inputs: list[ir.Value], dtype: ir.DataType, attributes: Iterable[ir.Attr] = (),
             name: str | None = None) -> ir.Value:
         made = ir.Node("", op, inputs, list(attributes), num_outputs=1, name=name)
-        made.outputs[0].dtype = dtype
+        made.outputs[0].dtype, made.outputs[0].name = dtype, _unique_name()
         self.made.append(made)
         return made.outputs[0]
 
@@ -95,6 +97,15 @@ class _Nodes:
             return self.add("BitwiseAnd", [value, mask], dtype)
         half = self.constant(1 << (bits - 1), dtype)
         return self.add("Sub", [self.add("BitwiseAnd", [self.add("Add", [value, half], dtype), mask], dtype), half], dtype)
+
+
+_NAMES = itertools.count()
+
+
+def _unique_name() -> str:
+    """A value name no other scope has: names the graph would give a subgraph's new values
+    repeat the main graph's, which onnxruntime refuses (single static assignment)."""
+    return f"exact_integers_{next(_NAMES)}"
 
 
 def _narrowing_a_cast(node: ir.Node) -> bool:
@@ -182,7 +193,7 @@ def _summed(nodes: _Nodes, node: ir.Node, data: ir.Value) -> ir.Value:
 def _like(node: ir.Node, data: ir.Value, dtype: ir.DataType) -> ir.Node:
     """A ``ReduceSum`` over ``data`` with ``node``'s axes and attributes."""
     made = ir.Node("", "ReduceSum", [data, *node.inputs[1:]], list(node.attributes.values()), num_outputs=1)
-    made.outputs[0].dtype, made.outputs[0].shape = dtype, node.outputs[0].shape
+    made.outputs[0].dtype, made.outputs[0].shape, made.outputs[0].name = dtype, node.outputs[0].shape, _unique_name()
     return made
 
 

@@ -143,11 +143,23 @@ def _no_nan(*tensors: Any) -> Any:
 def unique2(self: Any, sorted: bool = True, return_inverse: bool = False, return_counts: bool = False) -> Any:
     """torchlib's ``_unique2``, declining a float input holding NaN: onnxruntime's Unique merged
     NaN into another value's count, where torch keeps each NaN apart."""
-    out = core.aten__unique2(self, sorted, return_inverse, return_counts)
+    return _unique_declining_nan(self, core.aten__unique2(self, sorted, return_inverse, return_counts))
+
+
+def unique_dim(self: Any, dim: int, sorted: bool = True, return_inverse: bool = False,
+               return_counts: bool = False) -> Any:
+    """torchlib's ``unique_dim``, declining a float input holding NaN (``unique2``)."""
+    return _unique_declining_nan(self, core.aten_unique_dim(self, dim, sorted, return_inverse, return_counts))
+
+
+def _unique_declining_nan(self: Any, out: tuple) -> tuple:
+    """``unique``'s values, inverse and counts, each failing the run named ``DECLINES`` where a
+    float ``self`` holds NaN."""
     if self.dtype not in _FLOATS:
         return out
     ok = _no_nan(self)
-    return tuple(raising.declining(ok, value, dtype) for value, dtype in zip(out, (self.dtype, ir.DataType.INT64, ir.DataType.INT64)))
+    dtypes = (self.dtype, ir.DataType.INT64, ir.DataType.INT64)
+    return tuple(raising.declining(ok, value, dtype) for value, dtype in zip(out, dtypes))
 
 
 def scatter_reduce(self: Any, dim: int, index: Any, src: Any, reduce: str, include_self: bool = True) -> Any:
@@ -433,8 +445,10 @@ def log_softmax(self: Any, dim: int, dtype: int = -1) -> Any:
 
 
 def xlogy(self: Any, other: Any) -> Any:
-    """torchlib's ``xlogy``, NaN where ``other`` is: it answered 0 where ``self`` is 0 first."""
-    return op.Where(op.IsNaN(other), op.CastLike(other, self), special.aten_special_xlogy(self, other))
+    """torchlib's ``xlogy``, NaN where ``other`` is: it answered 0 where ``self`` is 0 first
+    (``self`` a tensor or a number)."""
+    out = special.aten_special_xlogy(self, other)
+    return op.Where(op.IsNaN(other), op.CastLike(other, out), out)
 
 
 def logit(self: Any, eps: float | None = None) -> Any:
@@ -484,17 +498,25 @@ def clamp_tensor(self: Any, min: Any = None, max: Any = None) -> Any:
     out = core.aten_clamp_tensor(self, min, max)
     if (min is None) == (max is None):
         return out
-    return _infinity_kept(self, out, below=min is None)
+    return _nan_bound(self, max if min is None else min, _infinity_kept(self, out, below=min is None))
 
 
 def clamp_max_tensor(self: Any, max_: Any) -> Any:
     """``clamp_max`` by a 0-d tensor, ``-inf`` kept."""
-    return _infinity_kept(self, core.aten_clamp_max_tensor(self, max_), below=True)
+    return _nan_bound(self, max_, _infinity_kept(self, core.aten_clamp_max_tensor(self, max_), below=True))
 
 
 def clamp_min_tensor(self: Any, min_: Any) -> Any:
     """``clamp_min`` by a 0-d tensor, ``+inf`` kept."""
-    return _infinity_kept(self, core.aten_clamp_min_tensor(self, min_), below=False)
+    return _nan_bound(self, min_, _infinity_kept(self, core.aten_clamp_min_tensor(self, min_), below=False))
+
+
+def _nan_bound(x: Any, bound: Any, out: Any) -> Any:
+    """``out`` (a clamp of ``x``), NaN throughout where the bound is: torch's clamp by NaN is NaN,
+    infinities too."""
+    if x.dtype not in _FLOATS:
+        return out
+    return op.Where(op.IsNaN(bound), op.CastLike(bound, out), out)
 
 
 def _infinity_kept(x: Any, clipped: Any, below: bool) -> Any:
@@ -583,6 +605,7 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.clamp_min.default: clamp_min,
     torch.ops.aten.clamp.Tensor: clamp_tensor,
     torch.ops.aten.xlogy.Tensor: xlogy,
+    torch.ops.aten.xlogy.Scalar_Self: xlogy,
     torch.ops.aten.special_erfcx.default: erfcx,
     torch.ops.aten.baddbmm.default: _input_ignored_at_beta_0(core.aten_baddbmm, op.MatMul),
     torch.ops.aten.addbmm.default: _input_ignored_at_beta_0(
@@ -621,6 +644,7 @@ TABLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.scatter_add.default: _index_checked(core.aten_scatter_add),
     torch.ops.aten.scatter_reduce.two: scatter_reduce,
     torch.ops.aten._unique2.default: unique2,
+    torch.ops.aten.unique_dim.default: unique_dim,
     torch.ops.aten.index_add.default: index_add,
     torch.ops.aten.index_copy.default: index_copy,
     torch.ops.aten.nll_loss.default: losses.nll_loss,

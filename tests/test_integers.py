@@ -106,18 +106,20 @@ def test_trap_an_int32_sum_wraps_as_in_torch(reduce):
     assert sum(c.hits for c in f.captures) == 3
 
 
-def test_an_int32_sum_inside_a_branch_is_still_served():
+def test_trap_an_int32_sum_inside_a_branch_is_served_and_wraps():
     # The int64 rewrite of a sum inside torch.cond's branch made a graph onnxruntime refused
-    # ("single static assignment"), where it had served before (an attack on the rewrite).
+    # ("single static assignment": the new values' names repeated the main graph's), so sums
+    # there stayed as exported and saturated (an attack on the rewrite, then on its fix).
     def branched(x):
-        return torch.cond(x.sum() > 0, lambda t: t.sum(dtype=torch.int32) + 1, lambda t: t.sum(dtype=torch.int32) - 1, (x,))
+        return torch.cond(x.sum() > 0, lambda t: t.sum(0, dtype=torch.int32) + 1,
+                          lambda t: t.sum(0, dtype=torch.int32) - 1, (x,))
 
     f = cr.compile(branched)
-    x = torch.tensor([1, 2, 3], dtype=torch.int32)
     with torch.inference_mode():
-        f(x)
-        assert torch.equal(f(x), branched(x))
-    assert sum(c.hits for c in f.captures) == 1
+        f(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32))
+        for x in (torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([[2**31 - 1, 1], [1, 1]], dtype=torch.int32)):
+            assert torch.equal(f(x), branched(x)), (f(x), branched(x))
+    assert sum(c.hits for c in f.captures) == 2
 
 
 @pytest.mark.parametrize("reduce", [lambda x: x.sum(), lambda x: x.sum(-1), lambda x: torch.sum(x, 0, keepdim=True),

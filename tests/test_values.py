@@ -211,6 +211,17 @@ ONE_SIDED_CLAMPS = {
 }
 
 
+def test_trap_a_clamp_by_a_nan_tensor_is_nan_everywhere():
+    # The infinity kept for a one-sided clamp by a 0-d tensor put x back where x was inf, where
+    # a NaN bound makes torch's every entry NaN (an attack on that fix).
+    cases = [(lambda x, t: torch.clamp(x, min=t), torch.float64), (lambda x, t: torch.clamp_max(x, t), torch.float32),
+             (lambda x, t: torch.clamp_min(x, t), torch.float16)]
+    for fn, dtype in cases:
+        got, want = _served(fn, (torch.randn(3, dtype=dtype), torch.tensor(0.5, dtype=dtype)),
+                            (torch.tensor([torch.inf, 1.0, -torch.inf], dtype=dtype), torch.tensor(torch.nan, dtype=dtype)))
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
 @pytest.mark.parametrize("name", ONE_SIDED_CLAMPS)
 def test_trap_a_one_sided_clamp_keeps_the_other_infinity(name, dtype):
@@ -366,10 +377,14 @@ def test_trap_an_infinity_norm_of_a_row_holding_nan_is_nan(order):
 
 
 def test_trap_xlogy_of_zero_and_nan_is_nan():
-    # torchlib answered 0 wherever x is 0, before looking for a NaN in y (a trial).
+    # torchlib answered 0 wherever x is 0, before looking for a NaN in y (a trial); with a number
+    # as x too (an attack on the first fix).
     fn = torch.xlogy
     got, want = _served(fn, (torch.rand(1, 3), torch.rand(1, 3)),
                         (torch.tensor([[0.0, -0.0, 1.0]]), torch.tensor([[torch.nan, torch.nan, 2.0]])))
+    torch.testing.assert_close(got, want, equal_nan=True)
+    fn = lambda y: torch.xlogy(0.0, y)  # noqa: E731
+    got, want = _served(fn, (torch.rand(3),), (torch.tensor([torch.nan, 0.0, 2.0]),))
     torch.testing.assert_close(got, want, equal_nan=True)
 
 
@@ -377,11 +392,12 @@ SQUARE_ROOTS = {"x ** 0.5": lambda x: x ** 0.5, "x ** -0.5": lambda x: x ** -0.5
                 "float_power(x, -0.5)": lambda x: torch.float_power(x, -0.5)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
 @pytest.mark.parametrize("name", SQUARE_ROOTS)
 def test_trap_a_power_of_a_half_is_a_square_root_as_in_torch(name, dtype):
     # torch takes x ** 0.5 and x ** -0.5 as sqrt and rsqrt: NaN at -inf, -inf at -0.0 for -0.5;
-    # the graph's Pow follows C's pow there (0 and +inf; a trial).
+    # the graph's Pow follows C's pow there (0 and +inf; a trial). Not in float16, whose CPU
+    # kernel is pow's (an attack on the first fix).
     fn = SQUARE_ROOTS[name]
     got, want = _served(fn, (torch.rand(1, 4, dtype=dtype) + 0.5,), (torch.tensor([[-torch.inf, -0.0, 4.0, -1.0]], dtype=dtype),))
     torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
@@ -452,6 +468,8 @@ _NAN_ROWS = torch.tensor([[torch.nan, 1.0, 2.0], [3.0, 4.0, 5.0], [1.0, 1.0, 1.0
 NAN_DROPPING = {
     "unique": (lambda x: torch.unique(x, return_counts=True), (torch.tensor([0.5, 1.0, 0.5, 2.0, 3.0, 1.0]),),
                (torch.tensor([0.5, torch.nan, 0.5, 2.0, torch.nan, 1.0]),)),
+    "unique over rows": (lambda x: torch.unique(x, dim=0, return_counts=True), (torch.tensor([[1.0, 2.0], [1.0, 2.0], [3.0, 4.0]]),),
+                         (torch.tensor([[torch.nan, 2.0], [torch.nan, 2.0], [3.0, 4.0]]),)),
     "scatter_reduce amax": (lambda b, s: b.scatter_reduce(0, torch.tensor([[0, 1, 2], [0, 1, 2], [4, 4, 4], [2, 2, 2]]), s,
                                                           reduce="amax", include_self=True),
                             (torch.randn(5, 3), torch.randn(4, 3)), (torch.randn(5, 3), _NAN_ROWS)),
