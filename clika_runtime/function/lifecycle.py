@@ -202,10 +202,8 @@ class Lifecycle(Fallbacks):
                 if isinstance(error, VerificationError) else None
             if meanwhile is not None:
                 return self._unmade(f"{meanwhile} ({first_line(error)})", generation, out)
-            why = f" (the target writes {staleness.words(ran)} itself, which a graph cannot)" \
-                if ran and isinstance(error, VerificationError) else ""
-            point = EMPTY if plan.point is None and isinstance(error, EmptyKillsError) else plan.point
-            return self._refuse(plan.call, f"capture failed: {error}{why}", generation, lambda: out, point)
+            return self._refuse(plan.call, f"capture failed: {error}{_writes_itself(ran, error)}", generation,
+                                lambda: out, plan.point or _refused_at(error))
         finally:
             put_back()
         changed = _changed(self.target.owner, plan.call, attempt, weights_written)
@@ -283,6 +281,18 @@ def _installed(table: CacheTable, target: Target, attempt: degrade.Attempt, gene
                              knowledge=knowledge, notes=attempt.notes, limit=config.cache_size,
                              snapshot=snapshot.narrowed(table.reads))
     return installed, (knowledge if knowledge.learned != table.knowledge.learned else None)
+
+
+def _writes_itself(ran: staleness.Written, error: CaptureError) -> str:
+    """Why a graph disagreed with eager, where the target writes its own state as it runs."""
+    return f" (the target writes {staleness.words(ran)} itself, which a graph cannot)" \
+        if ran and isinstance(error, VerificationError) else ""
+
+
+def _refused_at(error: CaptureError) -> Any:
+    """What a key's failed first capture refuses: its calls with a size 0, where the graph's
+    kernels cannot run empty ones (``EMPTY``); else the whole key (``None``)."""
+    return EMPTY if isinstance(error, EmptyKillsError) else None
 
 
 def _keeping(hooked: Sequence[tuple[str, Any]]) -> str:
