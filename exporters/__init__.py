@@ -10,6 +10,7 @@ from exporters.fusion import save_fused
 from exporters.raising import DECLINES
 
 __all__ = [
-    "DECLINES", "DrawsRandom", "ExportedGraph", "Uncapturable", "WritesState", "export_graph", "model_bytes", "outputs", "save",
+    "DECLINES", "DrawsRandom", "ExportedGraph", "Uncapturable", "WritesState", "export_graph", "model_bytes", "outputs",
+    "save",
     "save_fused",
 ]

@@ -96,7 +96,8 @@ class _Nodes:
         if to in _UNSIGNED:
             return self.add("BitwiseAnd", [value, mask], dtype)
         half = self.constant(1 << (bits - 1), dtype)
-        return self.add("Sub", [self.add("BitwiseAnd", [self.add("Add", [value, half], dtype), mask], dtype), half], dtype)
+        low = self.add("BitwiseAnd", [self.add("Add", [value, half], dtype), mask], dtype)
+        return self.add("Sub", [low, half], dtype)
 
 
 _NAMES = itertools.count()
@@ -149,7 +150,7 @@ def _in_double(node: ir.Node) -> None:
     one = nodes.add("Gather", [nodes.constant([1], int64), past], int64,
                     name=f"{node.name or 'prod'}_{DECLINES}")  # [1][1] is past the end
     out = nodes.cast(product, int64)
-    if dtype == ir.DataType.INT32:  # wrapped in int64 first: two casts in a row, onnxruntime merges into one that saturates
+    if dtype == ir.DataType.INT32:  # wrapped in int64 first (two casts in a row merge into one that saturates)
         out, one = nodes.cast(nodes.wrapped(out, dtype), dtype), nodes.cast(one, dtype)
     total = nodes.add("Mul", [out, one], dtype)
     total.shape = node.outputs[0].shape
@@ -178,8 +179,8 @@ def _in_limbs(node: ir.Node) -> None:
         limbs.append(limb)
     limbs.append(rest)
     low, middle, high = (_summed(nodes, node, limb) for limb in limbs)
-    total = nodes.add("Add", [low, nodes.add("Mul", [nodes.add("Add", [middle, nodes.add("Mul", [high, base], int64)], int64),
-                                                     base], int64)], int64)
+    upper = nodes.add("Add", [middle, nodes.add("Mul", [high, base], int64)], int64)  # (b + c * 2**21)
+    total = nodes.add("Add", [low, nodes.add("Mul", [upper, base], int64)], int64)
     total.shape = node.outputs[0].shape
     _replace(node, nodes.made, total)
 

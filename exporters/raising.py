@@ -59,7 +59,8 @@ def in_range(value: Any, dtype: Any) -> Any:
     return unless(op.And(op.GreaterOrEqual(value, low), op.LessOrEqual(value, high)), value, value.dtype)
 
 
-def full(size: Any, fill_value: Any, dtype: int = -1, layout: str = "", device: str = "", pin_memory: bool = False) -> Any:
+def full(size: Any, fill_value: Any, dtype: int = -1, layout: str = "", device: str = "",
+         pin_memory: bool = False) -> Any:
     """torchlib's ``full``, failing where the fill value is out of ``dtype``'s range."""
     checked = in_range(fill_value, ir.DataType(dtype)) if dtype != -1 else fill_value
     return core.aten_full(size, checked, dtype, layout, device, pin_memory)

@@ -486,7 +486,8 @@ def _infinity_test(torchlib: Callable[[Any], Any], signs: Sequence[float]) -> Ca
     def translated(self: Any) -> Any:
         if self.dtype != ir.DataType.DOUBLE:
             return torchlib(self)
-        tests = [op.Equal(self, op.Constant(value=ir.tensor(sign * math.inf, dtype=ir.DataType.DOUBLE))) for sign in signs]
+        infinities = [op.Constant(value=ir.tensor(sign * math.inf, dtype=ir.DataType.DOUBLE)) for sign in signs]
+        tests = [op.Equal(self, infinity) for infinity in infinities]
         return tests[0] if len(tests) == 1 else op.Or(*tests)
 
     return translated

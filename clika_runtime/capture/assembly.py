@@ -149,7 +149,8 @@ def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: b
                 folder.drop_reduced() or folder.drop_fused()
         return opened(folder.model, optimize, keep)
     except Exception as e:  # onnxruntime rejects the graph (an op it lacks, a type it cannot run)
-        raise CaptureError(f"onnxruntime could not load the exported graph: {first_line(e)}{_kernel_hint(e, folder.model)}") from e
+        hint = _kernel_hint(e, folder.model)
+        raise CaptureError(f"onnxruntime could not load the exported graph: {first_line(e)}{hint}") from e
 
 
 _NO_KERNEL = re.compile(r"Could not find an implementation for (\w+)\(")
