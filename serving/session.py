@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from typing import Any
@@ -70,13 +71,20 @@ def open_session(
 
 def machine_tag(place: Place) -> str:
     """What an optimised model is specific to: the onnxruntime version, the provider, the CPU."""
-    cpu = platform.processor() or platform.machine()
+    return f"{ort.__version__} {place.primary} {_cpu()}"
+
+
+@functools.cache
+def _cpu() -> str:
+    """The CPU's model name. ``platform.processor()`` only where Linux's ``/proc/cpuinfo`` cannot
+    say: it runs ``uname -p`` under a lock of its own, and a process forked while another thread
+    waited on that lock deadlocked in the child's first capture."""
     try:
         with open("/proc/cpuinfo") as info:
-            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
-    except OSError:  # not Linux: the platform's word for the CPU will do
-        pass
-    return f"{ort.__version__} {place.primary} {cpu}"
+            found = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:  # not Linux
+        found = None
+    return found or platform.processor() or platform.machine()
 
 
 def metadata(session: ort.InferenceSession) -> dict[str, Any]:

@@ -82,7 +82,7 @@ def test_trap_a_forked_child_that_exits_leaves_the_parents_graphs(tmp_path):
 
 
 _FORK_DURING_EXPORT = textwrap.dedent("""
-    import os, signal, threading, time, torch
+    import faulthandler, os, threading, time, torch
     import clika_runtime as cr
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -112,7 +112,7 @@ _FORK_DURING_EXPORT = textwrap.dedent("""
     assert tracing.wait(60)
     child = os.fork()
     if child == 0:
-        signal.alarm(20)  # a child stuck on the export's gate ends here, with SIGALRM
+        faulthandler.dump_traceback_later(20, exit=True)  # a stuck child ends here, saying where
         with torch.no_grad():
             plain, served = model(x), f(x)
         ok = torch.equal(plain, model.fc(x)) and torch.allclose(served, plain, atol=1e-6)
@@ -127,7 +127,9 @@ def test_trap_a_fork_while_another_thread_exports_leaves_the_child_a_working_mod
     """A fork while another thread exported the model (a DataLoader's workers starting while a
     background warm-up captures): the child's plain ``model(x)``, ``state_dict()`` and compiled
     calls each waited 30 s for the export's thread, which the child does not have, then raised
-    (a trial). A fork now waits for the exports in progress to end."""
+    (a trial). A fork now waits for the exports in progress to end; the child's compiled call
+    then hung in ``platform.processor()``'s lock, held by the capture thread (now read from
+    /proc/cpuinfo), or on the parent's hold of ``TARGETS`` (renewed in the child)."""
     env = {**os.environ, "CLIKA_RUNTIME_CACHE_DIR": "", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", _FORK_DURING_EXPORT], capture_output=True, text=True,
                             timeout=300, env=env, cwd=tmp_path)

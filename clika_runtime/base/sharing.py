@@ -14,6 +14,7 @@ inside an export, where compiled functions the target calls are traced through (
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -81,5 +82,15 @@ class SharedExclusive:
                 self._exclusive = False
                 self._cond.notify_all()
 
+    def renew_in_child(self) -> None:
+        """In a forked child only the forking thread is left: the others' holds (an export in
+        another thread: eager calls there waited for it for ever) and its lock went with them."""
+        self._cond = threading.Condition()
+        self._sharing = getattr(self._mine, "count", 0)
+        self._exclusive = self.exclusive_here()
+        self._waiting = 0
+        self._parked = set()
+
 
 TARGETS = SharedExclusive()
+os.register_at_fork(after_in_child=TARGETS.renew_in_child)

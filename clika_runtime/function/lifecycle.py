@@ -10,7 +10,9 @@ capture that finishes for an older generation is dropped, never installed.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -49,6 +51,7 @@ class Lifecycle(Fallbacks):
         self.target, self.lock = target, lock
         self.table: CacheTable = empty(0)
         self._inflight: set[tuple[int, CallKey]] = set()
+        _LIVE.add(self)
         self._warned: set[str] = set()
         self._still = weights.Stillness(target.owner, target.fn)  # past a Settle: whether the weights hold still
         self._modes: tuple[int, frozenset[str]] | None = None  # the generation, the modes its code asks about
@@ -281,6 +284,21 @@ def _installed(table: CacheTable, target: Target, attempt: degrade.Attempt, gene
                              knowledge=knowledge, notes=attempt.notes, limit=config.cache_size,
                              snapshot=snapshot.narrowed(table.reads))
     return installed, (knowledge if knowledge.learned != table.knowledge.learned else None)
+
+
+_LIVE: "weakref.WeakSet[Lifecycle]" = weakref.WeakSet()  # every function's, for a forked child
+
+
+def _renewed_in_child() -> None:
+    """A forked child has none of the parent's other threads: a capture one of them was making is
+    not in flight here (its key would have run eagerly for good), and a lock it held would never
+    be released."""
+    for lifecycle in list(_LIVE):
+        lifecycle.lock = threading.RLock()
+        lifecycle._inflight = set()
+
+
+os.register_at_fork(after_in_child=_renewed_in_child)
 
 
 def _writes_itself(ran: staleness.Written, error: CaptureError) -> str:
