@@ -75,7 +75,7 @@ def new_full(self: Any, size: Any, fill_value: Any, dtype: int = -1, layout: str
 
 def full_like(self: Any, fill_value: Any, dtype: int = -1, layout: str = "", device: str = "", pin_memory: bool = False,
               memory_format: str = "") -> Any:
-    """torchlib's ``full_like`` (``fill_``), failing where the fill value is out of range."""
+    """torchlib's ``full_like``, failing where the fill value is out of range."""
     checked = in_range(fill_value, ir.DataType(dtype) if dtype != -1 else self.dtype)
     return core.aten_full_like(self, checked, dtype, layout, device, pin_memory, memory_format)
 

@@ -136,8 +136,8 @@ def _index_checked(torchlib: Callable[..., Any]) -> Callable[..., Any]:
 
 def _no_nan(*tensors: Any) -> Any:
     """Whether none of ``tensors`` holds a NaN (a bool scalar)."""
-    flags = [op.ReduceMax(_nan_flags(t), keepdims=0) for t in tensors]
-    return op.Not(op.Cast(flags[0] if len(flags) == 1 else op.Max(*flags), to=ir.DataType.BOOL))
+    found = [_any_nan(t, (), False) for t in tensors]
+    return op.Not(found[0] if len(found) == 1 else op.Or(*found))
 
 
 def unique2(self: Any, sorted: bool = True, return_inverse: bool = False, return_counts: bool = False) -> Any:
