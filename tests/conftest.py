@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -11,8 +13,18 @@ import torch
 import clika_runtime as cr
 
 # The suite's on-disk capture cache: a fresh directory per run, never the user's (subprocesses
-# inherit it through the environment).
-os.environ["CLIKA_RUNTIME_CACHE_DIR"] = tempfile.mkdtemp(prefix="clika_runtime_tests_cache_")
+# inherit it through the environment), removed when the process that made it ends (not by a
+# forked child: those inherit the exit hook).
+_CACHE = tempfile.mkdtemp(prefix="clika_runtime_tests_cache_")
+os.environ["CLIKA_RUNTIME_CACHE_DIR"] = _CACHE
+
+
+def _remove_cache(maker: int) -> None:
+    if os.getpid() == maker:
+        shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+atexit.register(_remove_cache, os.getpid())
 
 
 class Counted:

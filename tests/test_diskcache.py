@@ -652,6 +652,36 @@ def test_trap_folders_a_killed_process_left_in_the_cache_are_removed(tmp_path):
     assert all(p.exists() for p in alive)  # a live process's folder survives a clear
 
 
+def test_trap_folders_a_killed_process_left_in_the_temp_dir_are_removed(tmp_path):
+    """With the disk cache off (``cache_dir = None``), captures and loaded graphs keep their
+    files in the system's temp folder. A server killed there (OOM, SIGKILL) left them for good:
+    a real-size model's graphs (hundreds of MB) a restart, and a restart loop filled ``/tmp``.
+    The next process's first graph folder removes the folders processes of this host left when
+    they died, including an int8 quantization's scratch folder, and keeps live ones'."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    killed = ("import os, tempfile, torch, clika_runtime as cr\n"
+              "from clika_runtime.base.owners import owned\n"
+              "cr.config.cache_dir = None\n"
+              "f = cr.compile(torch.nn.Linear(64, 64).eval())\n"
+              "with torch.no_grad(): f(torch.randn(2, 64))\n"
+              "open(os.path.join(tempfile.gettempdir(), 'clika_runtime.notes'), 'w').close()  # the user's\n"
+              "tempfile.mkdtemp(prefix=owned('clika_runtime'))  # as a quantization's scratch folder\n"
+              "os._exit(0)  # as SIGKILL would: no clean-up\n")
+    subprocess.run([sys.executable, "-c", killed], check=True, timeout=300, env=env, cwd=ROOT)
+    left = [p for p in tmp_path.iterdir() if p.name.startswith("clika_runtime.") and p.is_dir()]
+    assert len(left) == 2, "the killed process left too few folders: nothing to test"
+    living = ("import os, tempfile, torch, clika_runtime as cr\n"
+              "cr.config.cache_dir = None\n"
+              "f = cr.compile(torch.nn.Linear(4, 4).eval())\n"
+              "with torch.no_grad(): f(torch.randn(2, 4))\n"
+              "print(sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith('clika_runtime.') and n != 'clika_runtime.notes'))\n")
+    out = subprocess.run([sys.executable, "-c", living], check=True, timeout=300, env=env, cwd=ROOT,
+                         capture_output=True, text=True).stdout
+    assert not [p for p in left if p.exists()], left
+    assert eval(out.splitlines()[-1]), "the live process's own folder went too"
+    assert (tmp_path / "clika_runtime.notes").is_file()  # not named by a process: not ours to remove
+
+
 def test_trap_folders_forked_workers_left_are_removed_while_the_parent_lives(tmp_path):
     """A server recycling fork workers (a Pool with maxtasksperchild, gunicorn, celery) opened
     the cache once, in the parent: each worker's captures left a folder in work/ as it exited,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from clika_runtime.base.config import config
-from clika_runtime.base.owners import abandoned, owned
+from clika_runtime.base.owners import owned, remove_abandoned
 from clika_runtime.base.saying import say
 
 logger = logging.getLogger("clika_runtime")
@@ -99,10 +99,7 @@ class DiskCache:
     def sweep(self) -> None:
         """Remove the folders in ``work/`` that processes of this host left when they died (a
         server stopped by SIGKILL runs no clean-up): live captures' graphs, entries half written."""
-        for folder in self.work.iterdir():
-            if abandoned(folder.name):
-                shutil.rmtree(folder, ignore_errors=True)
-                logger.debug("disk cache: removed %s, left by a process that is gone", folder.name)
+        remove_abandoned(self.work)
 
     @property
     def work(self) -> Path:

@@ -14,7 +14,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from clika_runtime.base.owners import owned
+from clika_runtime.base.owners import OWNED, owned, remove_abandoned
 from clika_runtime.base.precision import Agreement
 from clika_runtime.base.specs import PlaceLike
 from clika_runtime.format import digest, graphfile, metadata, writing
@@ -217,8 +217,11 @@ class GraphFolder:
     _OPTIMIZED = "optimized-"
 
     def __init__(self, parent: str | os.PathLike | None = None) -> None:
-        # Named after this process: a cache's ``work/`` folder removes those a dead process left.
-        self.path = Path(tempfile.mkdtemp(prefix=owned("clika_runtime"), dir=parent))
+        # Named after this process, so that those a dead process left are removed: by a cache's
+        # ``work/`` folder there, by the next folder made here in the system's temp folder.
+        if parent is None:
+            remove_abandoned(Path(tempfile.gettempdir()), OWNED)
+        self.path = Path(tempfile.mkdtemp(prefix=owned(OWNED), dir=parent))
         # Removed with its last reference (a TemporaryDirectory would also do it, with a ResourceWarning),
         # by this process only: a forked child ending inherits the finalizer, not the folder.
         self._remove = weakref.finalize(self, _remove_if_made_here, self.path, os.getpid())

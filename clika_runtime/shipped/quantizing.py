@@ -17,6 +17,7 @@ import numpy as np
 
 import serving
 from clika_runtime.base.errors import VerificationError
+from clika_runtime.base.owners import OWNED, owned
 from clika_runtime.base.precision import INT8, Agreement, Record, judged, rows_problem
 from clika_runtime.format import metadata
 from clika_runtime.format.graphfile import too_big
@@ -33,7 +34,7 @@ def quantized(model_proto: Any, agreement: Agreement, where: str, inputs: Mappin
     name its inputs."""
     import onnx
 
-    with tempfile.TemporaryDirectory(prefix="clika_runtime_int8_") as folder:
+    with tempfile.TemporaryDirectory(prefix=owned(OWNED)) as folder:  # a killed process's: removed later
         source, target = Path(folder) / "model.onnx", Path(folder) / "int8.onnx"
         onnx.save_model(model_proto, str(source), save_as_external_data=too_big(model_proto),
                         location="model.onnx.data")
