@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench validate clean
 
-$(STAMP): pyproject.toml constraints.txt
+# The C source too: the install builds it (clika_runtime/state/_unchanged.c), a change rebuilds it.
+$(STAMP): pyproject.toml constraints.txt clika_runtime/state/_unchanged.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,serve]'
 	touch $(STAMP)

@@ -19,16 +19,15 @@ else moved). Autocast, modes, traces and transforms are not state but the call's
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from clika_runtime.state.compare import MODULE_PRIVATE, Part, differences, reread, same_untraced, without, word
 from clika_runtime.state.reads import Reads, narrowed
+from clika_runtime.state.unchanged import state_unchanged
 from clika_runtime.state.walk import filled, parts_read
 
-_call = getattr(operator, "call", None) or (lambda f, x: f(x))  # operator.call: Python 3.11+
 
 
 class Snapshot:
@@ -229,12 +228,13 @@ def _fresh_check(parts: tuple[Part, ...], weights: Callable[[], bool], unusual: 
     list compared whole."""
     from torch.utils.hooks import RemovableHandle
 
+    unchanged = state_unchanged
     sized = tuple(p.container for p in parts if p.size is not None)
-    sizes = [p.size for p in parts if p.size is not None]
+    sizes = tuple(p.size for p in parts if p.size is not None)
     checked = [p for p in parts if p.read is not None and p.per_call]
     readers = tuple(p.read for p in checked)
     read_from = tuple(p.container for p in checked)
-    values = [p.values[0] if len(p.keys) == 1 else p.values for p in checked]  # a getter of one key: its value
+    values = tuple(p.values[0] if len(p.keys) == 1 else p.values for p in checked)  # a getter of one key: its value
     # Read inline, by what they watch (torch's other switches are parts of their own: grad mode).
     inline = {p.keys: p.values[0] for p in parts if p.container is RemovableHandle and p.keys == ("next_id",)
               or p.container is torch and p.keys == ("default dtype",)}
@@ -244,9 +244,8 @@ def _fresh_check(parts: tuple[Part, ...], weights: Callable[[], bool], unusual: 
     def fresh() -> bool:
         try:
             return (weights() and handles.next_id == made and default_dtype() is dtype
-                    and list(map(len, sized)) == sizes and list(map(_call, readers, read_from)) == values
-                    and not unusual())
-        except Exception:  # a value whose == cannot answer (an array): the miss path compares carefully
+                    and unchanged(sized, sizes, readers, read_from, values) and not unusual())
+        except Exception:  # a check that cannot answer: the miss path looks carefully
             return False
 
     return fresh

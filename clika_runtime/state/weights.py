@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from clika_runtime.state.unchanged import weights_unchanged
 from clika_runtime.state.walk import global_names, modules_reached
 
 logger = logging.getLogger("clika_runtime")
-_version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr
-_entry = operator.getitem
 # Bumped by torch whenever any module registers a parameter, buffer or submodule (assignment included).
 _REGISTRATIONS = [0]
 _hooked = False
@@ -225,21 +223,14 @@ def _fresh_check(
     versioned: tuple, versions: int, tensors: tuple, pointers: tuple, slots: tuple, names: tuple,
     placed: tuple, registrations: int, rebound: tuple,
 ) -> Callable[[], bool]:
-    """The hot path's check, as one closure over plain data (C-level maps and compares): a
+    """The hot path's check, as one closure over plain data (``unchanged.weights_unchanged``): a
     module's tensors are read from their ``_parameters`` / ``_buffers`` entries, the others
     (closed-over ones) from the objects baked."""
-    counter = _REGISTRATIONS
+    counter, unchanged, data_ptr = _REGISTRATIONS, weights_unchanged, _data_ptr
 
     def fresh() -> bool:
-        try:
-            return (
-                counter[0] == registrations
-                and sum(map(_version, versioned)) == versions
-                and tuple(map(_data_ptr, map(_entry, slots, names))) == placed
-                and tuple(map(_data_ptr, tensors)) == pointers
-            )
-        except (RuntimeError, KeyError, TypeError):  # a tensor that cannot say (swapped out by a trace), an
-            return False  # entry gone or None: the miss path looks
+        return counter[0] == registrations and unchanged(data_ptr, versioned, versions, slots, names, placed,
+                                                         tensors, pointers)
 
     if not rebound:
         return fresh
