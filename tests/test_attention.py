@@ -20,7 +20,7 @@ from conftest import current
 import clika_runtime as cr
 import serving
 from clika_runtime.capture import assembly, fusing
-from clika_runtime.shipped.graph import GraphFolder
+from clika_runtime.shipped.folder import GraphFolder
 
 
 def _bert() -> torch.nn.Module:

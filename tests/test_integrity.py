@@ -123,6 +123,33 @@ def test_a_reader_never_dies_nor_serves_half_a_graph_while_a_writer_saves(pair, 
     print(f"{saves} saves; reader: {counts}")
 
 
+def test_trap_a_data_file_rewritten_under_a_served_graph_changes_nothing_it_serves(pair, saved, tmp_path):
+    """onnxruntime maps a graph's external data file: rewritten in place while a loaded graph
+    served (``cp`` over it), the server was served the new bytes, unchecked (0.14 off), and when
+    it was cut short died of SIGBUS. A loaded graph now serves a private copy of the files its
+    digest checked."""
+    _, x, (want, _) = pair
+    path = _copied(saved[1], tmp_path / "served")
+    served = cr.load(path)
+    np.testing.assert_allclose(served(x), want, rtol=1e-4, atol=1e-5)
+    data_file = next(p for p in path.parent.iterdir() if p.name.endswith(".data"))
+    size = data_file.stat().st_size
+    with open(data_file, "r+b") as file:  # in place: the same inode, as cp over it writes
+        file.write(b"\x00" * size)
+    np.testing.assert_allclose(served(x), want, rtol=1e-4, atol=1e-5)
+    script = ("import sys, numpy as np, clika_runtime as cr\n"
+              "served = cr.load(sys.argv[1]); x = np.load(sys.argv[2])\n"
+              "served(x); open(sys.argv[3], 'r+b').truncate(0)\n"
+              "print(float(np.abs(served(x)).sum()))\n")
+    _copied(saved[1], tmp_path / "cut")
+    np.save(tmp_path / "x.npy", x)
+    cut = next(p for p in (tmp_path / "cut").iterdir() if p.name.endswith(".data"))
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cut" / path.name), str(tmp_path / "x.npy"),
+                           str(cut)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"the server died with {done.returncode} (SIGBUS is -7): {done.stderr[-1000:]}"
+    assert float(done.stdout) == pytest.approx(float(np.abs(want).sum()), rel=1e-4)
+
+
 # ------------------------------------------------------------------------------------- flipped bytes
 
 

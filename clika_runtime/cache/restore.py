@@ -28,7 +28,7 @@ from clika_runtime.capture.target import Target
 from clika_runtime.capture.value import Capture
 from clika_runtime.format import graphfile, treedesc
 from clika_runtime.guards import json_form as guards
-from clika_runtime.shipped.graph import GraphFolder
+from clika_runtime.shipped.folder import GraphFolder
 from clika_runtime.state.weights import found_again
 from clika_runtime.trees import pytrees as trees
 

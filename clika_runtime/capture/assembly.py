@@ -28,7 +28,7 @@ from clika_runtime.capture.plan import CapturePlan
 from clika_runtime.capture.value import Capture, examples
 from clika_runtime.capture.verify import agreement_of, first_mismatch
 from clika_runtime.guards.guard import Guard
-from clika_runtime.shipped import graph as graph_mod
+from clika_runtime.shipped.folder import GraphFolder
 from clika_runtime.state.weights import Baked
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
@@ -42,7 +42,7 @@ class Made:
 
     plan: CapturePlan
     eager_out: Any
-    folder: graph_mod.GraphFolder
+    folder: GraphFolder
     guard: Guard
     graph_leaves: list[int]  # output positions the graph computes
     constants: dict[int, Any]  # the other output leaves, by position
@@ -127,7 +127,7 @@ def _float64(t: torch.Tensor) -> Any:
     return t.detach().cpu().to(torch.float64).numpy()
 
 
-def open_served(folder: graph_mod.GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
+def open_served(folder: GraphFolder, place: serving.Place, optimize: bool, keep_optimized: bool) -> Any:
     """The session of the file a folder serves (``GraphFolder.opened``); ``CaptureError`` when
     onnxruntime takes neither the fused nor the portable graph."""
     optimized = folder.optimized(serving.machine_tag(place))

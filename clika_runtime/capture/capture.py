@@ -33,7 +33,7 @@ from clika_runtime.format import metadata, treedesc
 from clika_runtime.guards import json_form as guards
 from clika_runtime.guards.conditions import evaluate
 from clika_runtime.guards.guard import Guard, InputRule, dtype_name
-from clika_runtime.shipped import graph as graph_mod
+from clika_runtime.shipped.folder import EXTERNAL_ABOVE, GraphFolder
 from clika_runtime.state.weights import bake
 from clika_runtime.trees import kvcache
 from clika_runtime.trees import pytrees as trees
@@ -106,8 +106,8 @@ def _build(
     metadata_entries = _metadata(plan, exported, out_spec, eager_leaves, scalar_out, guard, parameters)
     outputs = tuple(TensorInfo(*o) for o in exporters.outputs(exported))
     started = time.perf_counter()
-    folder = graph_mod.GraphFolder(work_dir)
-    exporters.save(exported, str(folder.model), metadata_entries, graph_mod.EXTERNAL_ABOVE)
+    folder = GraphFolder(work_dir)
+    exporters.save(exported, str(folder.model), metadata_entries, EXTERNAL_ABOVE)
     phases["save"] = time.perf_counter() - started
     if optimize:
         started = time.perf_counter()

@@ -20,7 +20,7 @@ import torch
 import exporters
 import serving
 from clika_runtime.base.errors import first_line
-from clika_runtime.shipped import graph as graph_mod
+from clika_runtime.shipped.folder import GraphFolder
 
 logger = logging.getLogger("clika_runtime")
 
@@ -29,7 +29,7 @@ _MARGIN = 0.97  # the fused graph must run in under 97% of the portable one's ti
 _BUDGET_S = 0.3  # seconds of timing at most (at least three rounds)
 
 
-def fuse(exported: exporters.ExportedGraph, folder: graph_mod.GraphFolder, place: serving.Place) -> None:
+def fuse(exported: exporters.ExportedGraph, folder: GraphFolder, place: serving.Place) -> None:
     """Write the graph with onnxruntime's fused kernels for ``place`` beside the portable one, when
     any apply. A speed-up only: any failure of the rewriter leaves the portable graph to serve."""
     try:
@@ -43,7 +43,7 @@ def fuse(exported: exporters.ExportedGraph, folder: graph_mod.GraphFolder, place
         logger.debug("fused for onnxruntime: %s", ", ".join(f"{n} x{c}" for n, c in sorted(made.items())))
 
 
-def keep_if_faster(folder: graph_mod.GraphFolder, place: serving.Place, names: Sequence[str], feeds: Sequence[Any],
+def keep_if_faster(folder: GraphFolder, place: serving.Place, names: Sequence[str], feeds: Sequence[Any],
                    threads: int | None) -> None:
     """Drop the fused graph of a small CPU capture unless it runs faster than the portable one on
     ``feeds`` (the capture's call). Anything that stops the timing keeps the files as they are."""

@@ -17,13 +17,13 @@ import time
 from clika_runtime.base import memory
 from clika_runtime.base.errors import first_line
 from clika_runtime.base.precision import FP16, INT8
-from clika_runtime.shipped import graph as graph_mod
+from clika_runtime.shipped.folder import GraphFolder
 from serving import quantize
 
 logger = logging.getLogger("clika_runtime")
 
 
-def reduce(folder: graph_mod.GraphFolder, precision: str) -> str | None:
+def reduce(folder: GraphFolder, precision: str) -> str | None:
     """Write ``folder``'s graph at ``precision`` (``int8`` or ``fp16``); ``None`` when written,
     else why not, in words (the fp32 graph then serves)."""
     started = time.perf_counter()

@@ -18,6 +18,7 @@ from clika_runtime.format import metadata
 from clika_runtime.guards import json_form as guards
 from clika_runtime.guards.guard import Guard
 from clika_runtime.shipped import graph as graph_mod
+from clika_runtime.shipped.folder import GraphFolder
 from clika_runtime.state.weights import Baked
 from clika_runtime.trees.key import CallKey, Described
 
@@ -49,7 +50,7 @@ class Capture:
     guard: Guard
     example: tuple[Example, ...]
     baked: tuple[Baked, ...]
-    folder: graph_mod.GraphFolder  # the graph's file, for take_graph() / graphs() and the disk cache
+    folder: GraphFolder  # the graph's file, for take_graph() / graphs() and the disk cache
     outputs: tuple[TensorInfo, ...]  # the graph outputs
     parts: closures.Parts
     stats: Stats

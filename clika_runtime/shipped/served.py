@@ -8,6 +8,7 @@ in-process capture enforced (sizes, ranges, size conditions, lifted-number range
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -22,6 +23,7 @@ from clika_runtime.base.specs import PlaceLike, TensorInfo, resolve_place
 from clika_runtime.format import digest, graphfile, metadata, treedesc
 from clika_runtime.format.graphfile import existing
 from clika_runtime.guards.guard import Guard, InputRule
+from clika_runtime.shipped.folder import GraphFolder
 
 
 def load(path: str | os.PathLike, place: PlaceLike = None, *, output_types: Iterable[type] = (),
@@ -53,7 +55,8 @@ class ServedGraph:
         where = model if isinstance(model, str) else "graph"
         # Before onnxruntime opens it: what the file makes its reader read or run besides itself.
         if isinstance(model, str):
-            model = _checked_file(model, verify_digest)
+            model, copied = _checked_file(model, verify_digest)
+            self._keep = copied or keep
         else:
             graphfile.check_serialized(model, where)
         self._session = _open(model, self._place, where)
@@ -282,14 +285,37 @@ def tensor_info(value: Any) -> TensorInfo:
     return TensorInfo(value.name, serving.DTYPE_NAMES.get(value.type, value.type), tuple(value.shape))
 
 
-def _checked_file(path: str, verify_digest: bool) -> bytes | str:
+def _checked_file(path: str, verify_digest: bool) -> tuple[bytes | str, GraphFolder | None]:
     """What onnxruntime opens of a checked file: the bytes checked (and digested), read once, so
-    that a file replaced meanwhile is not opened unchecked; the path when the model keeps data in
-    other files, which onnxruntime finds beside it (a save names each data file by its content)."""
+    that a file replaced meanwhile is not opened unchecked. A model that keeps data in other files
+    is opened from a private copy of them (``_private_copy``), the folder returned with it."""
     checked = graphfile.check(path)
+    source = Path(path).absolute().parent
+    if not checked.contents.references:
+        if verify_digest:
+            digest.verify(checked.data, source, path)
+        return checked.data, None
+    folder = _private_copy(checked, source, path)
     if verify_digest:
-        digest.verify(checked.data, Path(path).absolute().parent, path)
-    return path if checked.contents.references else checked.data
+        digest.verify(checked.data, folder.path, path)  # the copies: what is checked is what runs
+    return str(folder.model), folder
+
+
+def _private_copy(checked: graphfile.Checked, source: Path, where: str) -> GraphFolder:
+    """The model and its data files copied to a folder of this process's. onnxruntime maps external
+    data files: one rewritten in place under a served graph (``cp`` over it) served other weights,
+    unchecked, and one cut short killed the process (SIGBUS)."""
+    folder = GraphFolder()
+    for location in sorted({r.location for r in checked.contents.references}):
+        target = folder.path / location
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / location, target)
+        except OSError as e:
+            raise GraphFileError(f"{where}: external data location {location!r} names no file it can read "
+                                 f"({type(e).__name__}: {e.strerror or e})") from e
+    folder.model.write_bytes(checked.data)
+    return folder
 
 
 def _open(model: bytes | str, place: serving.Place, where: str) -> Any:
