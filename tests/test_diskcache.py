@@ -628,6 +628,36 @@ def test_trap_forward_hooks_are_in_the_key():
         torch.testing.assert_close(f(big), model(True)(big))
 
 
+def test_trap_a_cached_graph_changed_on_disk_is_never_handed_out():
+    """A cache entry's ``model.onnx`` altered on disk (a weight), its optimised copy left as it
+    was: the next process served right (the optimised file is what runs, and it is checked
+    against eager), but ``take_graph()`` handed out the altered file, which ``save`` then gave a
+    valid digest. Handing out a restored graph now checks its files against the digests the
+    entry recorded, and refuses with the fix."""
+    import onnx
+    from onnx import numpy_helper
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    x = torch.randn(3, 8)
+    _capture(model, x)
+    (stored,) = Path(cr.config.cache_dir).glob("entries/*/model.onnx")
+    proto = onnx.load(str(stored))
+    weight = proto.graph.initializer[0]
+    changed = numpy_helper.to_array(weight).copy()
+    changed.flat[0] += 1.0
+    weight.CopyFrom(numpy_helper.from_array(changed, weight.name))
+    stored.unlink()  # a new file of the same size: the first function's linked copy keeps its own
+    onnx.save(proto, str(stored))
+    again = _capture(model, x)
+    assert not _exported(again), "the entry was not restored: nothing to test"
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model(x))  # what runs was checked
+    with pytest.raises(cr.GraphFileError, match="disk cache.*changed since it was stored.*cache clear"):
+        again.take_graph()
+    assert again.state is cr.CompiledFunction.State.Compiled  # still serving what was checked
+
+
 def test_trap_folders_a_killed_process_left_in_the_cache_are_removed(tmp_path):
     """A server stopped by SIGTERM or SIGKILL runs no clean-up: its live captures' folders stayed
     in ``<cache_dir>/work/`` for good (about 3x the weights each stop), counted by nothing and

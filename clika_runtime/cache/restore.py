@@ -163,6 +163,7 @@ def store(slot: Slot, capture: Capture, plan: CapturePlan, notes: list[str],
         "static_axes": [list(a) for a in static_axes], "unliftable": sorted(unliftable),
     }
     try:
+        meta["digests"] = capture.folder.digests()  # what take_graph() hands out is checked by them
         slot.cache.save(slot.key, capture.folder.files(), meta)
     except OSError as e:
         diskcache.refuse(slot.cache.root, e)
@@ -212,8 +213,10 @@ def _made(entry: diskcache.Entry, target: Target, plan: CapturePlan, out: Any, s
 
 
 def _linked(entry: diskcache.Entry, slot: Slot) -> GraphFolder:
-    """The entry's files in a folder of their own, checked as any graph file is (data in its folder, no code)."""
+    """The entry's files in a folder of their own, checked as any graph file is (data in its folder, no
+    code), with the digests of those a capture hands out."""
     folder = GraphFolder(slot.cache.work)
+    folder.recorded = MappingProxyType(dict(entry.meta.get("digests", {})))
     for path in entry.files:
         diskcache.link_or_copy(path, folder.path / path.name)
     for path in folder.path.glob("*.onnx"):

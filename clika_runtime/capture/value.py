@@ -9,6 +9,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from clika_runtime.base.errors import GraphFileError
 from clika_runtime.base.precision import Record
 from clika_runtime.base.saying import say
 from clika_runtime.base.specs import TensorInfo
@@ -77,6 +78,10 @@ class Capture:
         with its measured agreement (int8: standard ONNX ops; fp16: onnxruntime's fused kernels
         where they applied); else the portable graph."""
         path = self.folder.model if self.precision is None else self.folder.reduced
+        changed = self.folder.changed_since_stored(path)
+        if changed is not None:  # from the disk cache: what runs was checked against eager, this file was not
+            raise GraphFileError(f"the disk cache's copy of this graph changed since it was stored ({changed}): "
+                                 "clear the cache (clika-runtime cache clear), then reset() and capture again")
         graph = graph_mod.ModelGraph.load(path, verify_digest=False)  # our own file: no digest
         entries: dict[str, Any] = {metadata.META_GUARD: guards.to_json(self.guard)}
         if self.precision is not None:

@@ -12,7 +12,8 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from clika_runtime.base.owners import OWNED, owned, remove_abandoned
 
@@ -38,6 +39,10 @@ class GraphFolder:
     FUSED = "served.onnx"  # the graph with onnxruntime's fused kernels, when any apply (exporters.fusion)
     REDUCED = "reduced.onnx"  # the graph at reduced precision (int8, fp16), when one was asked for and agrees
     _OPTIMIZED = "optimized-"
+
+    # The sha256 of the files a capture hands out (``handed_out``), where the folder was filled from
+    # files stored earlier (the disk cache): what runs is checked against eager, these are not.
+    recorded: Mapping[str, str] = MappingProxyType({})
 
     def __init__(self, parent: str | os.PathLike | None = None) -> None:
         # Named after this process, so that those a dead process left are removed: by a cache's
@@ -105,3 +110,25 @@ class GraphFolder:
     def files(self) -> list[Path]:
         """The files of the model (the model, its external data)."""
         return sorted(p for p in self.path.iterdir() if p.is_file())
+
+    def digests(self) -> dict[str, str]:
+        """The sha256 of each file a capture hands out: the model and the reduced-precision graph,
+        with their external data."""
+        return {p.name: _sha256(p) for p in self.files() if p.name.startswith((self.MODEL, self.REDUCED))}
+
+    def changed_since_stored(self, graph: Path) -> str | None:
+        """The first of ``graph``'s files (it and its external data) whose content is not what
+        ``recorded`` says, in words; ``None`` when all are (or nothing was recorded)."""
+        for path in sorted(self.path.glob(f"{graph.name}*")):
+            want = self.recorded.get(path.name)
+            if want is not None and _sha256(path) != want:
+                return f"{path.name} of {self.path}"
+        return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while block := file.read(2**20):
+            digest.update(block)
+    return digest.hexdigest()
