@@ -327,6 +327,43 @@ def test_trap_saving_onto_a_folder_says_so_in_one_line(pair, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_trap_saving_onto_a_pipe_or_device_refuses_and_onto_a_link_writes_through(pair, tmp_path):
+    """``save`` replaced whatever the path named: a FIFO (and, run as root, ``/dev/null``) became a
+    regular file, and a symbolic link was replaced by the file instead of writing where it
+    points (a ``current.onnx`` link to a versioned file). A path that is not a regular file is
+    refused; a link is written through, atomically, and stays a link."""
+    import os
+    import stat
+
+    (a, _), x, (want, _) = pair
+    pipe = tmp_path / "pipe.onnx"
+    os.mkfifo(pipe)
+    with pytest.raises(FileExistsError, match=rf"save: {pipe} is a FIFO, not a regular file"):
+        a.save(pipe)
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
+    versioned = tmp_path / "v3" / "model.onnx"
+    versioned.parent.mkdir()
+    link = tmp_path / "current.onnx"
+    link.symlink_to(versioned)
+    for external in (False, True):
+        a.save(link, external_data=external)
+        assert link.is_symlink() and versioned.is_file()
+        # External data lies beside the file written, where onnx and onnxruntime look for it from the
+        # file's own path: through the link they look beside the link.
+        np.testing.assert_allclose(cr.load(versioned if external else link)(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_trap_a_graph_without_weights_saves_with_external_data_asked_for(tmp_path):
+    """``save(external_data=True)`` of a graph holding no weights (a softmax) raised
+    FileNotFoundError on a temporary data file it never wrote. It saves the model alone."""
+    f = cr.compile(lambda x: torch.softmax(x, -1))
+    x = torch.randn(2, 5)
+    f(x)
+    path = f.take_graph().save(tmp_path / "softmax.onnx", external_data=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["softmax.onnx"]
+    np.testing.assert_allclose(cr.load(path)(x.numpy()), torch.softmax(x, -1).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_digest_record_a_tool_kept_under_another_key_loads_as_a_file_without_one(pair, saved, tmp_path, caplog):
     # Refusing any record under another key refused files whose metadata a tool renamed or kept
     # as provenance (an attack on the first fix): only our key with one bit flipped is damage.

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from clika_runtime.format import digest
+from clika_runtime.format.graphfile import kind
 from clika_runtime.format.metadata import META_DIGEST
 
 
@@ -31,6 +32,7 @@ def save(model_proto: Any, path: Path, *, external_data: bool) -> Path:
     ``model_proto`` is not changed."""
     if path.is_dir():  # the rename into place would fail, naming our temporary file
         raise IsADirectoryError(f"save: {path} is a folder: give a file path, e.g. {path / 'model.onnx'}")
+    path = _written_through(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staged = path.with_name(f".{path.name}.{secrets.token_hex(6)}")
     try:
@@ -46,6 +48,17 @@ def save(model_proto: Any, path: Path, *, external_data: bool) -> Path:
     return path
 
 
+def _written_through(path: Path) -> Path:
+    """Where ``path`` is saved: the file a symbolic link names (the rename into place would replace
+    the link: ``current.onnx`` pointing at a versioned file); ``FileExistsError`` where it names a
+    FIFO, a device or a socket, which the rename would replace with a regular file."""
+    if path.is_symlink():
+        path = path.resolve()
+    if path.exists() and not path.is_file():
+        raise FileExistsError(f"save: {path} is {kind(path)}, not a regular file: give the path of a file to write")
+    return path
+
+
 def _inline(model_proto: Any, where: str) -> list[Any]:
     """The file's bytes: the digest entry, then the model's fields (less any digest it held)."""
     serialized = memoryview(model_proto.SerializeToString())
@@ -53,8 +66,9 @@ def _inline(model_proto: Any, where: str) -> list[Any]:
     return [found.computed.entry_bytes(), *(serialized[a:b] for a, b in found.kept)]
 
 
-def _with_external_data(model_proto: Any, path: Path, staged: Path) -> tuple[str, list[Any]]:
-    """Write the data file (into place) and return its name and the model file's bytes."""
+def _with_external_data(model_proto: Any, path: Path, staged: Path) -> tuple[str | None, list[Any]]:
+    """Write the data file (into place) and return its name and the model file's bytes; no name
+    when the model holds no weights to move."""
     import onnx
     from onnx.external_data_helper import write_external_data_tensors
 
@@ -64,6 +78,8 @@ def _with_external_data(model_proto: Any, path: Path, staged: Path) -> tuple[str
     data = staged.with_name(staged.name + ".data")
     _mark_weights_external(copy, data.name)
     write_external_data_tensors(copy, str(path.parent))
+    if not data.exists():  # no weights to move out (a softmax): the model alone, as inline
+        return None, _inline(copy, str(path))
     _flush(data)
     # Where the bytes are kept is not part of the digest: the data file can be named after it.
     found = digest.compute(copy.SerializeToString(), path.parent, str(path))
