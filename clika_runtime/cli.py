@@ -11,7 +11,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from clika_runtime.base.errors import ClikaError
 
@@ -143,10 +143,12 @@ def _validate(args: argparse.Namespace) -> int:
 def _triton(args: argparse.Namespace) -> int:
     from clika_runtime.shipped.graph import ModelGraph
 
-    folder = ModelGraph.load(args.model, verify_digest=not args.no_digest).to_triton(
+    graph = ModelGraph.load(args.model, verify_digest=not args.no_digest)
+    _check_writable("--repository", args.repository, folder=True)
+    folder = _written("--repository", args.repository, lambda: graph.to_triton(
         args.repository, args.name, version=args.version, max_batch_size=args.max_batch_size,
         dynamic_batching=args.dynamic_batching, instances=args.instances, kind="gpu" if args.gpu else "cpu",
-    )
+    ))
     # Triton takes a local repository by its absolute path.
     print(f"wrote {folder} (version {args.version}); serve it with: "
           f"tritonserver --model-repository {Path(args.repository).resolve()}")
@@ -214,6 +216,8 @@ def _parse_dims(items: Sequence[str]) -> dict[str, list[int]]:
             raise ValueError(f"--dims {item!r}: expected NAME=1,8,32") from None
         if not name or not sizes:
             raise ValueError(f"--dims {item!r}: expected NAME=1,8,32")
+        if min(sizes) < 0:  # 0 is a size: the graph's guard decides whether it runs (a failed row if not)
+            raise ValueError(f"--dims {item!r}: expected sizes >= 0, got {min(sizes)}")
         if name in dims:
             raise ValueError(f"--dims: {name} given twice ({','.join(map(str, dims[name]))} and {values}); "
                              f"give its sizes once: {name}=1,8,32")
@@ -273,7 +277,11 @@ def _export(args: argparse.Namespace) -> int:
     from clika_runtime.base.errors import first_line
     from clika_runtime.function.compiled import CompiledFunction
 
+    _check_writable("--out", args.out, folder=False)  # before the capture, which can take minutes
     target = _called(args.factory, _load_object(args.factory))
+    if not callable(target):
+        raise ValueError(f"{args.factory}: expected it to return a callable (a model or function), "
+                         f"got {type(target).__name__}")
     options: dict[str, Any] = {"fullgraph": True, "dynamic": True if args.dynamic else None,
                                "precision": args.precision, "place": args.place}
     if args.signature:
@@ -301,11 +309,37 @@ def _export(args: argparse.Namespace) -> int:
         print(f"nothing saved: {precision}; keep --precision fp32, or quantize with a looser "
               f"clika_runtime.Agreement in Python (ModelGraph.quantized)", file=sys.stderr)
         return 1
-    path = graph.save(args.out)
+    path = _written("--out", args.out, lambda: graph.save(args.out))
     print(f"saved {path} (inputs {f.input_names})" + (f"; {precision}" if args.precision != "fp32" else ""))
     for note in f.capture_notes:
         print(f"note: {note}")
     return 0
+
+
+def _check_writable(flag: str, given: str, *, folder: bool) -> None:
+    """``ValueError`` (one line, exit 2) when what is on disk shows that ``given`` cannot be written
+    as a folder (``folder``) or a file: a regular file where a folder must be, a folder or a device
+    where the file would go."""
+    from clika_runtime.format.graphfile import kind
+
+    if not folder and given.endswith(("/", os.sep)):  # Path() drops the '/' that says "a folder"
+        raise ValueError(f"{flag} {given}: expected a file path, got one ending in '/'")
+    path = Path(given)
+    if path.exists() and not (path.is_dir() if folder else path.is_file()):
+        raise ValueError(f"{flag} {given}: expected {'a folder' if folder else 'a file path'}, found {kind(path)}")
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"{flag} {given}: expected a folder at {above}, found {kind(above)}")
+
+
+def _written(flag: str, given: str, write: Callable[[], Any]) -> Any:
+    """``write()``; an ``OSError`` as one line naming ``flag`` (exit 2), the traceback at DEBUG: what
+    no look beforehand shows (/proc, /sys, a read-only mount, a full disk) shows only when writing."""
+    try:
+        return write()
+    except OSError as e:
+        logger.debug("writing %s %s", flag, given, exc_info=e)
+        raise ValueError(f"{flag} {given}: expected a folder it can write in, got {e.strerror or e}") from None
 
 
 def _called(spec: str, fn: Any) -> Any:

@@ -4,6 +4,7 @@ unusable input into one line and exit 2, a failing graph into exit 1."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import textwrap
 import warnings
 
@@ -313,6 +314,85 @@ def test_inspect_and_validate_of_a_triton_repository_say_what_to_pass(saved, tmp
     assert capsys.readouterr().err.strip() == (
         f"error: {repository}: a folder without config.pbtxt: it is a Triton model repository: validate one "
         f"model folder, e.g. {model}")
+
+
+def _one_error_line(capsys, starts: str) -> str:
+    """The only line the command printed (on stderr, nothing on stdout), checked to start with ``starts``."""
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith(starts) and len(err.splitlines()) == 1 and not captured.out, captured
+    return err
+
+
+def test_trap_triton_into_a_repository_it_cannot_make_is_one_line_and_exit_2(saved, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder\n")
+    assert cli(["triton", str(saved), "--repository", str(afile)]) == 2
+    assert _one_error_line(capsys, "") == f"error: --repository {afile}: expected a folder, found a regular file"
+    assert cli(["triton", str(saved), "--repository", str(afile / "repo")]) == 2
+    assert _one_error_line(capsys, "") == (f"error: --repository {afile / 'repo'}: expected a folder at {afile}, "
+                                           f"found a regular file")
+    for special in ("/proc/nope", "/sys/nope"):  # folders the kernel lets no one write in, root included
+        assert cli(["triton", str(saved), "--repository", special]) == 2
+        assert "expected a folder it can write in, got" in _one_error_line(capsys, f"error: --repository {special}: ")
+    assert afile.read_text() == "not a folder\n"
+
+
+@pytest.fixture()
+def export_mod(tmp_path, monkeypatch):
+    (tmp_path / "export_mod.py").write_text(textwrap.dedent("""
+        import torch
+        def model():
+            return torch.nn.Linear(4, 2).eval()
+        def not_callable():
+            return 42
+        examples = (torch.randn(3, 4),)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_trap_export_of_a_factory_that_returns_no_callable_is_one_line_and_exit_2(export_mod, capsys):
+    argv = ["export", "export_mod:not_callable", "--inputs", "export_mod:examples", "--out", str(export_mod / "m.onnx")]
+    assert cli(argv) == 2
+    assert _one_error_line(capsys, "") == ("error: export_mod:not_callable: expected it to return a callable "
+                                           "(a model or function), got int")
+
+
+def test_trap_export_to_an_out_it_cannot_write_is_one_line_and_exit_2(export_mod, capsys):
+    afile = export_mod / "afile"
+    afile.write_text("not a folder\n")
+    expected = {str(afile / "m.onnx"): f"expected a folder at {afile}, found a regular file",
+                f"{export_mod}/": "expected a file path, got one ending in '/'",
+                str(export_mod): "expected a file path, found a folder"}
+    for out, why in expected.items():
+        assert cli(["export", "export_mod:model", "--inputs", "export_mod:examples", "--out", out]) == 2
+        assert _one_error_line(capsys, "") == f"error: --out {out}: {why}"
+    assert cli(["export", "export_mod:model", "--inputs", "export_mod:examples", "--out", "/sys/m.onnx"]) == 2
+    assert "expected a folder it can write in, got" in _one_error_line(capsys, "error: --out /sys/m.onnx: ")
+
+
+@pytest.mark.parametrize("sizes", ["-1", "1,-3"])
+def test_trap_validate_with_a_negative_dim_size_is_a_usage_error(saved, sizes, capsys):
+    assert cli(["validate", str(saved), "--dims", f"x_dim0={sizes}"]) == 2
+    assert _one_error_line(capsys, "") == f"error: --dims 'x_dim0={sizes}': expected sizes >= 0, got {sizes.split(',')[-1]}"
+
+
+def test_trap_inspect_of_a_device_says_it_is_not_a_regular_file(capsys):
+    assert cli(["inspect", os.devnull]) == 2
+    assert _one_error_line(capsys, "") == f"error: {os.devnull}: not a regular file (a character device), not an ONNX graph"
+
+
+def test_trap_validate_of_a_graph_whose_external_data_is_missing_is_one_line_and_exit_2(tmp_path, capsys):
+    f = cr.compile(torch.nn.Linear(4, 2).eval())
+    with torch.no_grad():
+        f(torch.randn(3, 4))
+    path = f.take_graph().save(tmp_path / "linear.onnx", external_data=True)
+    (data,) = [p for p in tmp_path.iterdir() if p.suffix == ".data"]
+    data.unlink()
+    assert cli(["validate", str(path)]) == 2
+    assert _one_error_line(capsys, "") == (f"error: {path}: its external data file '{data.name}' is missing from "
+                                           f"{tmp_path}: copy it beside the graph file")
 
 
 def _data_dependent_slice(x):

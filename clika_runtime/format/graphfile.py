@@ -302,12 +302,24 @@ def too_big(model_proto: Any) -> bool:
 
 
 def existing(path: str | os.PathLike, *, folders: bool = False) -> Path:
-    """``path`` as a ``Path``, or ``GraphFileError`` when no such file exists (with ``folders``,
-    when nothing by that name exists: a Triton model folder will do)."""
+    """``path`` as a ``Path``, or ``GraphFileError`` when no such file exists or it is no regular
+    file (with ``folders``, a folder will do: a Triton model folder)."""
     path = Path(path)
-    if not (path.exists() if folders else path.is_file()):
+    if not path.exists():
         raise GraphFileError(f"{path}: no such file")
+    if not (path.is_file() or folders and path.is_dir()):  # a device or FIFO: "no such file" would mislead
+        raise GraphFileError(f"{path}: not a regular file ({kind(path)}), not an ONNX graph")
     return path
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a regular file"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def kind(path: Path) -> str:
+    """What ``path`` is, in words ("a folder", "a character device"), for errors that say what they found."""
+    mode = path.stat().st_mode
+    return next((words for test, words in _KINDS if test(mode)), "a special file")
 
 
 def read_checked(path: str | os.PathLike) -> tuple[Path, Any]:

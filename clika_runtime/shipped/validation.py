@@ -136,6 +136,7 @@ def _opens_safely(path: Path, report: Report) -> graphfile.Checked | None:
     except GraphFileError as e:
         if not _is_protobuf(path):
             raise
+        _refuse_missing_data(path)
         report.add(SAFE_TO_OPEN, False, first_line(e))
         return None
     report.add(SAFE_TO_OPEN, True)
@@ -154,6 +155,23 @@ def _digest_matches(path: Path, checked: graphfile.Checked, report: Report) -> b
                                         "tool): content not checked")
     shown = f"{digest.ALGORITHM} {found.computed.overall[:16]}..."
     return report.add(DIGEST, True, f"{shown} (graph + {len(found.computed.tensors)} tensors)")
+
+
+def _refuse_missing_data(path: Path) -> None:
+    """``GraphFileError`` naming the external data files missing from the graph's folder when they
+    are all that keeps it from opening: a missing file is unusable input (exit 2), as a missing
+    graph file is; a location reaching out of the folder, or a code node, stays a failed row."""
+    contents = graphfile.scan(memoryview(graphfile.read_bytes(path)), str(path))
+    folder = path.absolute().parent
+    problems = {r.location: why for r in contents.references if (why := graphfile.outside(folder, r.location))}
+    # outside()'s words for a location inside the folder where nothing is
+    missing = sorted(location for location, why in problems.items() if why.startswith("names no file"))
+    if not missing or len(missing) < len(problems) or contents.code_nodes:
+        return
+    files = ", ".join(map(repr, missing))
+    raise GraphFileError(f"{path}: its external data file{'s' if len(missing) > 1 else ''} {files} "
+                         f"{'are' if len(missing) > 1 else 'is'} missing from {path.parent}: copy "
+                         f"{'them' if len(missing) > 1 else 'it'} beside the graph file")
 
 
 def _is_protobuf(path: Path) -> bool:
