@@ -148,6 +148,29 @@ def test_trap_one_evaluation_call_an_epoch_leaves_the_function_served_once_train
     assert sum(c.hits for c in f.captures) >= 1
 
 
+def test_trap_a_function_calling_a_model_captures_again_once_the_model_is_back_in_eval():
+    """A function closing over a model (a sentence embedding: the model, then a normalisation),
+    called once while the model was in training mode: the capture failed on dropout, its key was
+    refused until ``reset()``, and every call stayed eager after ``model.eval()`` (a new-user
+    trial, int8 and fp32 alike). A module target keys its training flag; a function's key
+    cannot, so a refusal made while a model it calls was training is tried again once that
+    model's training flags change."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 4)).eval()
+    f = cr.compile(lambda x: torch.nn.functional.normalize(model(x), dim=-1))
+    x = torch.randn(4, 16)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(x)
+        f(x)
+        model.train()
+        f(x)  # dropout: no graph for this call
+        model.eval()
+        for _ in range(3):
+            torch.testing.assert_close(f(x), torch.nn.functional.normalize(model(x), dim=-1))
+    assert f.state is cr.CompiledFunction.State.Compiled and f.captures[-1].hits >= 1, f.fallback_reason
+
+
 def _write_in_another_process(model: torch.nn.Module) -> None:
     with torch.no_grad():
         model.weight.add_(1.0)

@@ -301,17 +301,23 @@ def uninitialized(owner: torch.nn.Module | None) -> bool:
 
 
 def converted_watch(owner: torch.nn.Module | None, target: Any) -> Callable[[], bool]:
-    """A check that is True while no parameter or buffer of ``owner``, nor a tensor ``target``
-    closes over, was converted or replaced (``.float()``, ``.to()``, a new submodule, a rebound
-    tensor), and torch's default dtype is as it was: what may make a capture that failed succeed
+    """A check that is True while no parameter or buffer of ``owner`` (without one: of the modules
+    ``target`` reaches), nor a tensor ``target`` closes over, was converted or replaced (``.float()``,
+    ``.to()``, a new submodule, a rebound tensor), torch's default dtype is as it was, and (without
+    an owner) the reached modules' training flags are: what may make a capture that failed succeed
     (a capture under ``set_default_dtype(torch.float64)`` failed, and the key stayed eager once
-    float32 was back). In-place writes do not count (a training-mode forward writes its buffers
-    on every call, and a new value rarely fixes a capture). It walks the module on every call:
-    for the eager path only."""
+    float32 was back; a function calling a model in training mode failed on its dropout, and
+    stayed eager after ``model.eval()``: a module target keys its flag, a function's key cannot).
+    In-place writes do not count (a training-mode forward writes its buffers on every call, and a
+    new value rarely fixes a capture). It walks the modules on every call: for the eager path only."""
 
     def layouts() -> tuple:
-        tensors = [*owner.parameters(), *owner.buffers()] if owner is not None else []
-        return (torch.get_default_dtype(), *map(_layout, tensors + [t for _, t in closure_tensors(target)]))
+        modules = [] if owner is not None else [m for _, reached in modules_reached(target, None)
+                                                 for m in reached.modules()]
+        tensors = [*owner.parameters(), *owner.buffers()] if owner is not None else \
+            [t for m in modules for t in itertools.chain(m.parameters(False), m.buffers(False))]
+        return (torch.get_default_dtype(), tuple(m.training for m in modules),
+                *map(_layout, tensors + [t for _, t in closure_tensors(target)]))
 
     before = layouts()
     return lambda: layouts() == before
