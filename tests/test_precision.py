@@ -127,6 +127,33 @@ def test_a_transformer_serves_in_int8_at_other_sizes(bert_int8):
     assert f.captures[0].hits >= 1
 
 
+def test_trap_validate_fails_a_recorded_agreement_below_its_own_acceptance(mlp_int8, tmp_path):
+    """A file whose record says an output measured cosine 0.5 while it was accepted at 0.999
+    (edited by hand, checked with ``--no-digest``) passed validate's "agreement recorded" row."""
+    import json
+
+    _, _, f, _, _ = mlp_int8
+    proto = f.graphs()[0].model_proto
+    for entry in proto.metadata_props:
+        if entry.key == "clika_runtime.precision":
+            record = json.loads(entry.value)
+            record["measured"][0]["cosine"] = 0.5
+            entry.value = json.dumps(record)
+    onnx.save(proto, str(tmp_path / "edited.onnx"))
+    done = run_cli("validate", str(tmp_path / "edited.onnx"), "--no-digest")
+    assert done.returncode == 1, done.stdout
+    assert re.search(r"int8 agreement recorded\s+FAIL\s+.*cosine 0\.50000 < 0\.999", done.stdout), done.stdout
+
+
+def test_trap_an_integer_output_that_differs_says_how_many_values_do():
+    """The refusal of an int8 graph whose integer output differed said only "values differ"."""
+    from clika_runtime.base.precision import Agreement, measure
+
+    measured = measure("labels", np.array([[1, 2, 3], [4, 5, 6]]), np.array([[1, 2, 3], [4, 0, 0]]))
+    assert Agreement().problem(measured) == \
+        "output 'labels': 2 of 6 values differ (integer and bool outputs must match exactly)"
+
+
 def test_the_int8_graph_ships_loads_anywhere_and_validates_by_its_agreement(mlp_int8, tmp_path):
     model, _, f, x, _ = mlp_int8
     path = f.graphs()[0].save(tmp_path / "mlp_int8.onnx")

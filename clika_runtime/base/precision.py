@@ -114,8 +114,9 @@ class Agreement:
     def problem(self, measured: "Measured") -> str | None:
         """Why ``measured`` falls short of this agreement, in words (``None`` when it does not)."""
         if measured.exact is not None:
+            how_many = f"{measured.differing:,} of {measured.size:,} values" if measured.size else "values"
             return None if measured.exact else \
-                f"output '{measured.name}': values differ (integer and bool outputs must match exactly)"
+                f"output '{measured.name}': {how_many} differ (integer and bool outputs must match exactly)"
         if measured.misplaced:
             return f"output '{measured.name}': NaN or infinity where the reference has none, or the reverse"
         short = []
@@ -160,6 +161,8 @@ class Measured:
     misplaced: bool = False
     top1: float = 1.0
     norm: float = 1.0  # the output's norm over the reference's
+    differing: int | None = None  # an integer or bool output that differs: how many of its ``size`` values do
+    size: int | None = None
 
     def __str__(self) -> str:
         if self.exact is not None:
@@ -182,7 +185,8 @@ def measure(name: str, reference: Any, got: Any) -> Measured:
     if ref.shape != out.shape:
         raise ValueError(f"output '{name}': shape {out.shape}, reference {ref.shape}")
     if not np.issubdtype(ref.dtype, np.floating) and not np.issubdtype(ref.dtype, np.complexfloating):
-        return Measured(name, exact=bool(np.array_equal(ref, out)))
+        differing = int(np.count_nonzero(ref != out))
+        return Measured(name, exact=not differing, differing=differing or None, size=int(ref.size) if differing else None)
     top1 = 1.0 if name.startswith(CACHE_OUTPUTS) else _top1(ref, out)
     ref, out = ref.astype(np.float64).reshape(-1), out.astype(np.float64).reshape(-1)
     finite = np.isfinite(ref)
@@ -277,6 +281,11 @@ class Record:
     def __str__(self) -> str:
         return f"{self.precision}, agreement with fp32 (accepted at {self.agreement}): {'; '.join(map(str, self.measured))}"
 
+    def problems(self) -> list[str]:
+        """Where the measured figures fall short of the agreement they were accepted at (a record
+        edited by hand, or made by another tool): empty for a record any capture writes."""
+        return [problem for m in self.measured if (problem := self.agreement.problem(m)) is not None]
+
     def to_json(self) -> dict[str, Any]:
         return {"precision": self.precision, "agreement": self.agreement.to_json(),
                 "measured": [m.to_json() for m in self.measured]}
@@ -291,7 +300,8 @@ class Record:
         measured = []
         for entry in value["measured"]:
             if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or \
-                    set(entry) - {"name", "cosine", "max_abs", "max_rel", "exact", "misplaced", "top1", "norm"} or \
+                    set(entry) - {"name", "cosine", "max_abs", "max_rel", "exact", "misplaced", "top1", "norm",
+                                  "differing", "size"} or \
                     not all(isinstance(v, (int, float)) for k, v in entry.items() if k != "name"):
                 raise ValueError(f"precision: malformed measured output {str(entry)[:80]}")
             measured.append(Measured(**entry))
