@@ -217,6 +217,17 @@ def test_dynamic_true_names_the_size_1_axis_it_left_static():
         "signature dim)"], f.capture_notes
 
 
+def test_trap_a_size_1_graph_beside_a_dynamic_one_asks_nothing_of_the_user():
+    """Captured dynamic at batch 2, then called at batch 1: the size-1 graph made beside the
+    dynamic one noted "capture with a size >= 2 on that axis to make it dynamic", which the user
+    had done (a new-user trial). Sizes 0 and 1 get a graph of their own by design: no note."""
+    f = cr.compile(torch.nn.Linear(8, 4).eval(), dynamic=True)
+    with torch.no_grad():
+        f(torch.randn(2, 8))
+        f(torch.randn(1, 8))
+    assert len(f.captures) == 2 and f.capture_notes == [], f.capture_notes
+
+
 def test_export_dynamic_says_which_axis_stayed_static_and_its_help_says_why(tmp_path, monkeypatch, capsys):
     (tmp_path / "batch1_mod.py").write_text(textwrap.dedent("""
         import torch

@@ -179,6 +179,19 @@ def test_the_int8_graph_ships_loads_anywhere_and_validates_by_its_agreement(mlp_
     assert triton.returncode == 0, triton.stdout
 
 
+def test_trap_take_graph_says_it_hands_out_fp32_where_int8_was_refused():
+    """An int8 function whose int8 graph disagreed hands out its fp32 graph: the warning at
+    capture was the only word of it, and a user shipping the file later thought it int8."""
+    f = cr.compile(Outliers().eval(), precision="int8")
+    called(f, outlier_input())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = f.take_graph()
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "hands out the fp32 graph" in said[0] and "int8 not served" in said[0], said
+    assert not {n.op_type for n in graph.model_proto.graph.node} & QUANTIZED_OPS
+
+
 def test_a_graph_that_int8_breaks_is_not_served_in_int8_and_says_the_figure():
     model = Outliers().eval()
     f = cr.compile(model, precision="int8")

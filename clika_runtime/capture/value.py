@@ -87,6 +87,8 @@ class Capture:
         if self.precision is not None:
             entries[metadata.META_PRECISION] = self.precision.to_json()
         metadata.attach(graph.model_proto, entries)
+        if self.precision_note is not None:  # said at capture; the file itself does not say it
+            say(f"clika_runtime: take_graph() hands out the fp32 graph: {self.precision_note}", 3)
         envelope = self.parts.envelope
         if envelope is not None and envelope.disagreed:  # what the function learned the file cannot carry
             say(f"clika_runtime: the {self.precision.precision} graph handed out disagreed with eager fp32 on a call "

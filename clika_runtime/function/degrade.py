@@ -198,8 +198,9 @@ def _exported(target: Target, plan: CapturePlan, out: Any, work_dir: Any, elsewh
 
 def _specialised(target: Target, plan: CapturePlan) -> list[str]:
     """With ``dynamic=True``, a note per axis the plan left static because its size in the call is
-    0 or 1 (``CapturePlan``): the user asked for every axis dynamic and would not know otherwise."""
-    if target.options.dynamic is not True:
+    0 or 1 (``CapturePlan``): the user asked for every axis dynamic and would not know otherwise.
+    None for a variant: sizes 0 and 1 beside a dynamic graph get a graph of their own by design."""
+    if target.options.dynamic is not True or plan.variant:
         return []
     return [
         f"axis {axis} of '{name}' has size {size} in the example: torch.export specialises sizes 0 and 1, so it was "
