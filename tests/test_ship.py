@@ -392,3 +392,59 @@ def test_models_past_the_protobuf_limit_use_external_data_everywhere(tmp_path, m
     with torch.no_grad():
         torch.testing.assert_close(cr.load(path)(x), model(x))
         torch.testing.assert_close(graph.serve()(x), model(x))
+
+
+# ------------------------------------------------------------------------ unusual arrays and tensors
+
+
+def _served_linear(tmp_path, *rows: int, dtype: torch.dtype = torch.float32):
+    """A tiny linear graph, served from its file: one call per row count (two: a dynamic batch,
+    outputs of unknown shape, the numpy path; one: fixed-shape outputs, the reused binding)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).eval()
+    f = cr.compile(lambda x: model(x.float()))
+    with torch.no_grad():
+        for n in rows:
+            f(torch.randn(n, 8).to(dtype))
+    return model, cr.load(f.take_graph().save(tmp_path / "linear.onnx"), place="cpu")
+
+
+def test_trap_loaded_graph_serves_a_big_endian_array_by_its_values(tmp_path):
+    # '>f4' passed the float32 check and onnxruntime read its bytes little-endian (values ~1e37).
+    model, served = _served_linear(tmp_path, 3, 5)
+    x = np.random.RandomState(0).randn(4, 8).astype(">f4")
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x.astype("=f4"))).numpy()
+    np.testing.assert_allclose(served(x), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(served.run({served.input_names[0]: x})[served.output_names[0]], expected,
+                               rtol=1e-5, atol=1e-6)
+    assert x.dtype == np.dtype(">f4")  # the caller's array is left as it was
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("rows", [(3, 5), (4,)], ids=["numpy path", "reused binding"])
+def test_trap_loaded_graph_refuses_meta_sparse_and_subclass_tensors_by_name(tmp_path, rows):
+    # They got "onnxruntime failed running the graph" with torch's numpy-conversion text (a meta
+    # tensor crashed the process on the reused binding, which read its null pointer).
+    _, served = _served_linear(tmp_path, *rows)
+    name, x = served.input_names[0], torch.randn(4, 8)
+    for bad, got in [(x.to("meta"), "a tensor on meta"), (x.to_sparse(), "a torch.sparse_coo tensor"),
+                     (x.to_sparse_csr(), "a torch.sparse_csr tensor"), (x.as_subclass(_Sub), "a _Sub")]:
+        with pytest.raises(GraphInputError, match=rf"input '{name}': expected a dense strided torch.Tensor on cpu.*, "
+                                                  rf"got {re.escape(got)}"):
+            served(bad)
+    torch.testing.assert_close(served(torch.nn.Parameter(x)), served(x))  # a Parameter is a plain tensor
+
+
+@pytest.mark.parametrize("rows, dtype", [((3, 5), torch.float32), ((4,), torch.float32), ((3, 5), torch.bfloat16)],
+                         ids=["numpy path", "reused binding", "dlpack"])
+def test_trap_loaded_graph_serves_negative_views_by_their_values(tmp_path, rows, dtype):
+    # A torch._neg_view failed on the numpy path and was served un-negated through DLPack.
+    _, served = _served_linear(tmp_path, *rows, dtype=dtype)
+    x = torch.randn(4, 8).to(dtype)
+    torch.testing.assert_close(served(torch._neg_view(x)), served(-x))
+    torch.testing.assert_close(served(torch._neg_view(x.t().contiguous()).t()), served(-x))
+

@@ -58,10 +58,11 @@ class Verified:
 @dataclass(frozen=True)
 class Mismatch:
     """Why a guard refuses a call: ``kind`` is one of ``count``, ``type``, ``dtype``, ``device``,
-    ``rank``, ``size`` (a static axis), ``equal`` (dims sharing a name differ), ``range`` (a size
-    outside what the exporter assumed), ``number``, ``condition`` (a size branch flipped) or
-    ``special`` (size 0 or 1, which the trace assumed away). ``range``, ``condition`` and
-    ``special`` are the kinds a variant traced at the call's sizes serves."""
+    ``byteorder`` (a non-native numpy array), ``rank``, ``size`` (a static axis), ``equal`` (dims
+    sharing a name differ), ``range`` (a size outside what the exporter assumed), ``number``,
+    ``condition`` (a size branch flipped) or ``special`` (size 0 or 1, which the trace assumed
+    away). ``range``, ``condition`` and ``special`` are the kinds a variant traced at the call's
+    sizes serves."""
 
     kind: str
     input: str | None
@@ -77,6 +78,7 @@ class Mismatch:
             "type": f"{where}: expected {self.expected}, got {self.got}",
             "dtype": f"{where}: expected dtype {self.expected}, got {self.got}",
             "device": f"{where}: expected device {self.expected}, got {self.got}",
+            "byteorder": f"{where}: expected {self.expected}, got {self.got}",
             "rank": f"{where}: expected rank {self.expected}, got shape {self.got}",
             "size": f"{where}: expected size {self.expected}, got {self.got}",
             "equal": f"{where}: size {self.got}, but {self.expected} (the graph requires them equal)",
@@ -372,6 +374,8 @@ def _input(rule: InputRule, accept: frozenset, device: str | None, feed: Any) ->
         return Mismatch("type", rule.name, None, f"an array of {rule.dtype}", type(feed).__name__)
     if dtype not in accept and dtype_name(dtype) != rule.dtype:
         return Mismatch("dtype", rule.name, None, rule.dtype, dtype_name(dtype))
+    if not getattr(dtype, "isnative", True):  # numpy's '>f4' is named float32, yet onnxruntime misreads it
+        return Mismatch("byteorder", rule.name, None, f"{rule.dtype} in {sys.byteorder}-endian byte order", dtype.str)
     if device is not None and str(getattr(feed, "device", "cpu")) != device:
         return Mismatch("device", rule.name, None, device, str(getattr(feed, "device", "cpu")))
     if len(feed.shape) != len(rule.shape):

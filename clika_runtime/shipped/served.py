@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -75,6 +76,8 @@ class ServedGraph:
         self._numpy = serving.NumpyRunner(self._session, self.input_names, self.output_names)
         self._numpy_unfit = [o.name for o in declared.outputs if o.dtype == "bfloat16"]
         self._torch: Any = None
+        self._dlpack = False  # whether the torch runner goes through DLPack (set with it)
+        self._on_place = "is_cuda" if self._place.device == "cuda" else "is_cpu"  # the tensor attribute a call reads
 
     @property
     def providers(self) -> list[str]:
@@ -120,9 +123,16 @@ class ServedGraph:
     def _checked_run(self, feeds: list[Any]) -> list[Any]:
         """Check the feeds (in input order) against the guard, then run; outputs in output order."""
         problem = self._guard.check(feeds)
+        if problem is not None and problem.kind == "byteorder":  # native arrays never get here (see _native)
+            feeds = _native(feeds)
+            problem = self._guard.check(feeds)
         if problem is not None:
             raise GraphInputError(str(problem))
-        at = non_finite(self._precision, feeds)
+        try:
+            at = non_finite(self._precision, feeds)
+        except Exception:  # an int8 graph's reduction of a tensor that holds no values here (meta, sparse)
+            self._refuse_tensors(feeds)
+            raise
         if at is not None:  # no eager here to answer instead: an error, not numbers that hide it
             raise GraphInputError(f"input '{self.input_names[at]}' {NON_FINITE}; serve the fp32 graph for such inputs")
         feeds = [np.asarray(v, dtype=np.int64) if r.shape is None else v for r, v in zip(self._guard.inputs, feeds)]
@@ -136,6 +146,8 @@ class ServedGraph:
         except ClikaError:
             raise
         except Exception as e:  # onnxruntime's own types (Fail, InvalidArgument, ...), none a ClikaError
+            if not is_torch:  # a tensor subclass defined outside torch went the numpy way: say so
+                self._refuse_tensors(feeds)
             raise GraphRunError(f"{self._where}: onnxruntime failed running the graph: {e}") from e
 
     def _feeds(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -197,13 +209,81 @@ class ServedGraph:
                 {k: v for k, v in kwargs.items() if k not in moved})
 
     def _run_torch(self, feeds: Sequence[Any]) -> list[Any]:
+        """Run the torch runner. The usual tensor passes on its exact type and one attribute (on its
+        place's device); anything else is looked at closely (``_tensor``)."""
         import torch
 
-        tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in feeds]
         if self._torch is None:
-            dtypes = [t.dtype for t in tensors] + [o.dtype for o in self._declared[1]]
+            dtypes = [v.dtype for v in feeds] + [o.dtype for o in self._declared[1]]
             self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
-        return self._torch.run(tensors)
+            self._dlpack = self._torch.path == "dlpack"
+        plain, on = torch.Tensor, self._on_place
+        tensors = [v if type(v) is plain and getattr(v, on) else self._tensor(at, v) for at, v in enumerate(feeds)]
+        if self._dlpack:  # DLPack carries no negative bit: a contiguous neg view would be read un-negated
+            tensors = [t.resolve_neg() for t in tensors]
+        try:
+            return self._torch.run(tensors)
+        except Exception:
+            resolved = self._resolved(tensors)
+            if resolved is None:
+                raise
+        return self._torch.run(resolved)
+
+    def _tensor(self, at: int, value: Any) -> Any:
+        """One feed looked at closely: an array as a tensor, a negative view resolved (a copy, with
+        its values), and a tensor the runner would misread or fail on (another device, a sparse or
+        other layout, a subclass) refused with ``GraphInputError`` naming the input."""
+        import torch
+
+        if not isinstance(value, torch.Tensor):
+            return torch.as_tensor(value)  # a numpy array among tensors
+        devices = ("cpu", "cuda") if self._place.device == "cuda" or self._dlpack else ("cpu",)  # DLPack moves them
+        got = _unusual_tensor(value, devices, torch)
+        if got is not None:
+            raise GraphInputError(f"input '{self.input_names[at]}': expected a dense strided torch.Tensor on "
+                                  f"{' or '.join(devices)}, got {got}")
+        return value.resolve_neg()
+
+    def _refuse_tensors(self, feeds: Sequence[Any]) -> None:
+        """``GraphInputError`` for the first tensor ``_tensor`` refuses among ``feeds``."""
+        torch = sys.modules.get("torch")
+        if torch is None:  # no tensor without torch: a torch-free box must not import it here
+            return
+        for at, value in enumerate(feeds):
+            if isinstance(value, torch.Tensor):
+                self._tensor(at, value)
+
+    def _resolved(self, tensors: list[Any]) -> list[Any] | None:
+        """After a failed run: what the one-attribute look lets by on the CPU (a sparse tensor, a
+        neg view) fails the runner's numpy view, pointer or DLPack before onnxruntime reads it, and
+        is looked at only now, so that plain tensors pay nothing. Neg views come back resolved (to
+        run again), anything else ``_tensor`` refuses; ``None`` when nothing changes."""
+        resolved = [self._tensor(at, t) for at, t in enumerate(tensors)]
+        return None if all(r is t for r, t in zip(resolved, tensors)) else resolved
+
+
+def _unusual_tensor(value: Any, devices: Sequence[str], torch: Any) -> str | None:
+    """What ``value`` is, when it is not a dense strided tensor on one of ``devices``; else None."""
+    if type(value) not in (torch.Tensor, torch.nn.Parameter):  # a subclass may hold no storage of its own
+        return f"a {type(value).__name__} (a torch.Tensor subclass)"
+    if value.layout is not torch.strided:
+        return f"a {value.layout} tensor"
+    if value.device.type not in devices:
+        return f"a tensor on {value.device}"
+    return None
+
+
+def _native(feeds: Sequence[Any]) -> list[Any]:
+    """The feeds with arrays of the other byte order as native copies.
+
+    Converted, not refused: their values are of the graph's dtype, only stored byte-swapped, and
+    onnxruntime reads native bytes whatever the array says (a big-endian float32 read as ~1e37);
+    the checked run already converts feeds where the graph needs it (lifted numbers to int64).
+    The guard's walk, which every such array reaches (its dtype is not the native one the quick
+    compare accepts), flags them: a native array never pays for the look or the copy.
+    """
+    return [v.astype(v.dtype.newbyteorder("=")) if not getattr(getattr(v, "dtype", None), "isnative", True) else v
+            for v in feeds]
 
 
 def _captured(slot: Mapping[str, Any]) -> Any:
