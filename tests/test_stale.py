@@ -4,6 +4,7 @@ would use now, on every call; a shipped graph keeps the guard its capture enforc
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -411,3 +412,85 @@ def test_trap_a_model_converted_under_inference_mode_is_served():
             torch.testing.assert_close(f(x), model(x))
     assert f.state is State.Compiled and sum(c.hits for c in f.captures) == 2
     assert all(p.requires_grad for p in model.parameters())  # as the user left them
+
+
+# ---------------------------------------------------- models a function reaches in less usual places
+# A function using a model it reaches outside a closure cell or a plain global: each was served the
+# graph of the weights it was captured with after the model changed (a new-user trial).
+
+_Pair = __import__("collections").namedtuple("_Pair", "student teacher")
+_PAIR = _Pair(torch.nn.Linear(4, 3).eval(), torch.nn.Linear(4, 3).eval())
+_REGISTRY = type("_Registry", (), {})()
+_REGISTRY.groups = {"ensemble": [torch.nn.Linear(4, 3).eval(), torch.nn.Linear(4, 3).eval()]}
+
+
+class _Head:
+    """A plain callable object holding a model (not a module)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x):
+        return self.model(x).softmax(-1)
+
+
+_HEADS = {"intent": _Head(torch.nn.Linear(4, 3).eval())}
+
+
+class _Service:
+    MODEL = torch.nn.Linear(4, 3).eval()
+
+    @classmethod
+    def infer(cls, x):
+        return cls.MODEL(x) * 2
+
+
+def _make_encoder(model):
+    def encode(x):
+        return model(x)
+    return encode
+
+
+_ENCODE = _make_encoder(torch.nn.Linear(4, 3).eval())
+
+
+def _embed(x):
+    return torch.nn.functional.normalize(_ENCODE(x), dim=-1)
+
+
+def _reached_forms():
+    positional = torch.nn.Linear(4, 3).eval()
+    keyword = torch.nn.Linear(4, 3).eval()
+
+    def by_default(x, model=positional):
+        return model(x)
+
+    def by_keyword_default(x, *, model=keyword):
+        return model(x)
+
+    return {
+        "default argument": (by_default, positional),
+        "keyword-only default": (by_keyword_default, keyword),
+        "named tuple": (lambda x: _PAIR.teacher(x) - _PAIR.student(x), _PAIR.teacher),
+        "object, dict, list": (lambda x: sum(m(x) for m in _REGISTRY.groups["ensemble"]),
+                               _REGISTRY.groups["ensemble"][1]),
+        "callable object in a dict": (lambda x: _HEADS["intent"](x), _HEADS["intent"].model),
+        "class attribute of a classmethod": (_Service.infer, _Service.MODEL),
+        "closure of a global helper": (_embed, _ENCODE.__closure__[0].cell_contents),
+    }
+
+
+@pytest.mark.parametrize("form", list(_reached_forms()))
+def test_trap_a_model_reached_outside_a_closure_or_global_is_watched(form):
+    fn, model = _reached_forms()[form]
+    f = cr.compile(fn)
+    x = torch.randn(2, 4)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(x)
+        f(x)
+        for write in (lambda w: w.mul_(-2.0), lambda w: w.copy_(torch.randn(3, 4))):  # a step, an EMA update
+            with torch.inference_mode(False), torch.no_grad():
+                write(model.weight)
+            for _ in range(2):
+                torch.testing.assert_close(f(x), fn(x))

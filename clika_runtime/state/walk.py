@@ -119,12 +119,14 @@ def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]
                 return []
             walk.reached.append((name, value))
             return _module_tree(value, name, walk)
-        if type(value) in (list, tuple, dict) and len(value) <= COPIED:
-            if depth == 0 or id(value) in walk.seen:  # bounded, and a container holding itself ends
+        if isinstance(value, (list, tuple, dict)) and len(value) <= COPIED:  # a named tuple's models too
+            if id(value) in walk.seen:  # a container holding itself ends
                 return []
             walk.seen.add(id(value))
             items = value.items() if isinstance(value, dict) else enumerate(value)
-            return [part for key, item in items for part in _held(item, f"{name}.{key}", walk, depth - 1)]
+            # Past the depth objects are no longer watched, but modules are still found (an object's
+            # dict of lists of models): their weights are baked, wherever the target finds them.
+            return [part for key, item in items for part in _held(item, f"{name}.{key}", walk, max(depth - 1, 0))]
         if _wraps(value):  # a compiled function (a wrapper object): its target's state is the caller's too
             if id(value) in walk.seen:
                 return []
@@ -186,16 +188,19 @@ def _class_forwards(root: torch.nn.Module) -> list[Part]:
 
 
 def _class_bodies(cls: type, walk: _Walk) -> list[Part]:
-    """The plain values in the bodies of ``cls`` and its bases that are the user's own classes
-    (``self.LIMIT`` falls back to them)."""
+    """The plain values and the models in the bodies of ``cls`` and its bases that are the user's own
+    classes (``self.LIMIT`` and ``cls.MODEL`` fall back to them)."""
     parts = []
     for owner in cls.__mro__:
         if id(owner) in walk.seen or not ours(owner):
             continue
         walk.seen.add(id(owner))
-        keys = body_values(owner)
+        models = [k for k, v in vars(owner).items() if isinstance(v, torch.nn.Module)]  # ``MODEL = load()``
+        keys = body_values(owner) + models
         if keys:
             parts.append(dict_part(owner.__qualname__, vars(owner), keys, sized=False))
+        for key in models:
+            parts += _held(vars(owner)[key], f"{owner.__qualname__}.{key}", walk)
     return parts
 
 
@@ -243,14 +248,20 @@ def _callable(fn: Any, walk: _Walk) -> list[Part]:
         held, name = getattr(fn, "__self__", None), "the bound object"
     else:
         held, name = (None if hasattr(fn, "__wrapped__") else fn), "the callable object"
-    if held is not None and not isinstance(held, _CODE + _CONTAINERS) and isinstance(getattr(held, "__dict__", None), dict):
+    if isinstance(held, type):  # a class method: the class's body (``cls.MODEL``)
+        parts += _class_bodies(held, walk)
+    elif held is not None and not isinstance(held, _CODE + _CONTAINERS) and isinstance(getattr(held, "__dict__", None), dict):
         parts += _objects(held, name, walk, _DEPTH)
     if held is not None and _safely(lambda: ours(type(held))):  # a callable object: __call__ and what it calls
         walk.names |= _method_names(type(held), None, walk.code_seen)
     return parts
 
 
-def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
+def _function(fn: types.FunctionType, walk: _Walk, depth: int = _CALLED_DEPTH) -> list[Part]:
+    """A function's defaults, code, closure cells and globals, and what those hold (a model as a
+    default argument: ``def predict(x, model=model)``); the user's functions it calls, ``depth``
+    calls down (``_globals``)."""
+    walk.seen.add(id(fn))
     walk.names |= _code_names(fn, walk.code_seen) if ours(fn) else set()
     parts = [Part(f"{fn.__qualname__}'s", fn, ("__defaults__", "__kwdefaults__", "__code__"),
                   operator.attrgetter("__defaults__", "__kwdefaults__", "__code__"),
@@ -261,7 +272,17 @@ def _function(fn: types.FunctionType, walk: _Walk) -> list[Part]:
         parts.append(cells_part(cells, tuple(names[id(c)] for c in cells)))
     for cell in cells:
         parts += _held(cell.cell_contents, names[id(cell)], walk)
-    return parts + _globals(fn, walk)
+    for name, value in _defaults(fn):
+        parts += _held(value, name, walk)
+    return parts + _globals(fn, walk, depth)
+
+
+def _defaults(fn: types.FunctionType) -> list[tuple[str, Any]]:
+    """A function's default values, by the names of their parameters."""
+    code = fn.__code__
+    positional = code.co_varnames[:code.co_argcount]
+    found = list(zip(positional[len(positional) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
+    return found + list((fn.__kwdefaults__ or {}).items())
 
 
 
@@ -279,9 +300,9 @@ def _globals(fn: types.FunctionType, walk: _Walk, depth: int = _CALLED_DEPTH) ->
         parts += _held(namespace[name], name, walk)
     if depth > 0:
         called = [namespace[name] for name in read] + [c.cell_contents for c in fn.__closure__ or () if filled(c)]
-        for inner in called:
-            if isinstance(inner, types.FunctionType) and ours(inner):
-                parts += _globals(inner, walk, depth - 1)
+        for inner in called:  # what they hold too: a global ``encode = make_encoder(model)`` closes over its model
+            if isinstance(inner, types.FunctionType) and ours(inner) and id(inner) not in walk.seen:
+                parts += _function(inner, walk, depth - 1)
     return parts
 
 
@@ -463,6 +484,8 @@ def _wraps(value: Any) -> bool:
 
 
 def _carries_attributes(value: Any) -> bool:
-    """A plain object with attributes of its own (a config, a namespace), not code or a module."""
-    return value is not None and not isinstance(value, _CODE + _CONTAINERS + _INERT) and not callable(value) \
+    """A plain object with attributes of its own (a config, a namespace, a callable object of the
+    user's holding a model), not code or a module."""
+    return value is not None and not isinstance(value, _CODE + _CONTAINERS + _INERT) \
+        and (not callable(value) or _safely(lambda: ours(type(value)))) \
         and isinstance(getattr(value, "__dict__", None), dict)
