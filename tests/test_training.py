@@ -159,16 +159,19 @@ def test_trap_a_function_calling_a_model_captures_again_once_the_model_is_back_i
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 4)).eval()
     f = cr.compile(lambda x: torch.nn.functional.normalize(model(x), dim=-1))
     x = torch.randn(4, 16)
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         f(x)
         f(x)
-        model.train()
-        f(x)  # dropout: no graph for this call
-        model.eval()
-        for _ in range(3):
-            torch.testing.assert_close(f(x), torch.nn.functional.normalize(model(x), dim=-1))
+        for _ in range(3):  # epochs
+            model.train()
+            f(x)  # dropout: no graph for this call
+            model.eval()
+            for _ in range(3):
+                torch.testing.assert_close(f(x), torch.nn.functional.normalize(model(x), dim=-1))
     assert f.state is cr.CompiledFunction.State.Compiled and f.captures[-1].hits >= 1, f.fallback_reason
+    refusals = [str(w.message) for w in said if "draws random numbers" in str(w.message)]
+    assert len(refusals) == 1, refusals  # said once, not each epoch
 
 
 def _write_in_another_process(model: torch.nn.Module) -> None:

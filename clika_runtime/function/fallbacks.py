@@ -160,8 +160,13 @@ class Fallbacks:
                                           weights.converted_watch(self.target.owner, self.target.fn))
                 logger.info("%s serves eagerly until reset(), for calls with the key %s%s: %s", name, key, at, why)
                 others = "calls with other keys still capture" if point is None else "its other sizes are still served"
-                say(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key "
-                    f"({key}){at}: {why}; {others}", _user_level())
+                said = f"refused {key}{at}: {why}"
+                if said not in self._warned:  # once: a key tried again (``converted_watch``) may fail alike each epoch
+                    self._warned.add(said)
+                    again = "its weights change dtype or device" if self.target.owner is not None else \
+                        "the models it calls change dtype, device or train/eval mode"
+                    say(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key ({key}){at}: "
+                        f"{why}; {others}; tried again once {again}", _user_level())
         return result()
 
     def _unmade(self, why: str, generation: int, out: Any) -> Any:
