@@ -958,3 +958,16 @@ def test_trap_a_config_read_past_its_fields_keys_the_cache_by_its_values(config)
         other(ones)
         assert "export" in other.captures[0].phases  # its own graph
         assert other(tens).tolist() == [3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize("pid", [str(10**20), "²", "-5", "0"])
+def test_trap_a_folder_named_with_an_impossible_pid_is_left_alone_and_breaks_nothing(tmp_path, pid):
+    """Anyone can make a folder in the shared temp folder: one named like a dead process's graph
+    folder with a pid too large for ``os.kill`` made every later graph folder raise OverflowError,
+    and so every capture and every load of a graph with external data."""
+    from clika_runtime.base import owners
+
+    odd = tmp_path / f"clika_runtime.{pid}.{owners._HOST}.x"
+    odd.mkdir()
+    owners.remove_abandoned(tmp_path, owners.OWNED)
+    assert odd.is_dir()

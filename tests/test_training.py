@@ -174,6 +174,44 @@ def test_trap_a_function_calling_a_model_captures_again_once_the_model_is_back_i
     assert len(refusals) == 1, refusals  # said once, not each epoch
 
 
+@pytest.mark.parametrize("refused_in", ["train mode (dropout)", "eval mode (a value read back)"])
+def test_trap_a_refused_function_is_not_exported_again_at_every_train_eval_switch(monkeypatch, refused_in):
+    """The retry above, attacked: a model switched between train and eval on every call had its
+    function exported again on every call, 120 exports in 60 calls where the refusal had nothing
+    to do with the mode. A refusal made in eval mode ignores the flags, and the retries are
+    bounded by the re-capture limit."""
+    import numpy as np
+
+    exports, export = [0], torch.export.export
+
+    def counted(*args, **kwargs):
+        exports[0] += 1
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted)
+    cr.config.recapture_limit = 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5) if "dropout" in refused_in
+                                else torch.nn.BatchNorm1d(4))
+
+    def fn(x):
+        y = model(x)
+        if "read back" in refused_in:
+            return y + torch.from_numpy(np.asarray(y.detach().numpy().sum(), dtype=np.float32))  # not exportable
+        return y
+
+    f = cr.compile(fn)
+    x = torch.randn(2, 4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.train("dropout" in refused_in)
+        f(x)  # refused
+        for i in range(30):
+            model.train(i % 2 == 1)
+            f(x)
+    assert exports[0] <= 8, exports[0]
+
+
 def _write_in_another_process(model: torch.nn.Module) -> None:
     with torch.no_grad():
         model.weight.add_(1.0)

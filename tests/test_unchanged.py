@@ -112,3 +112,5 @@ def test_the_c_checks_refuse_arguments_of_the_wrong_shape():
         unchanged.state_unchanged((), (), (len,), (), ())
     with pytest.raises(TypeError):
         unchanged.weights_unchanged(_data_ptr, (), 0)
+    with pytest.raises(TypeError, match="argument 2 must be a tuple"):  # it returned NULL with no exception set
+        unchanged.weights_unchanged(_data_ptr, [], 0, (), (), (), (), ())

@@ -15,6 +15,7 @@ logger = logging.getLogger("clika_runtime")
 # This host, as a name part without dots: a pid means nothing on another host (or in another
 # container sharing the folder).
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12]
+_PID_LIMIT = 2**22  # Linux's largest pid_max
 OWNED = "clika_runtime"  # the kind of the folders graphs are kept in: ``clika_runtime.<pid>.<host>.``
 
 
@@ -26,9 +27,10 @@ def owned(kind: str) -> str:
 def abandoned(name: str) -> bool:
     """Whether a folder named with ``owned`` belongs to a process of this host that is gone."""
     parts = name.split(".")
-    if len(parts) < 4 or parts[2] != _HOST or not parts[1].isdigit():
+    if len(parts) < 4 or parts[2] != _HOST or not (parts[1].isascii() and parts[1].isdigit()):
         return False  # another host's, or not named by us: not ours to judge
-    return not _alive(int(parts[1]))
+    pid = int(parts[1])
+    return 0 < pid < _PID_LIMIT and not _alive(pid)  # past any pid: a name anyone could make, not ours
 
 
 def remove_abandoned(folder: Path, kind: str = "") -> None:
@@ -49,6 +51,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except OSError:  # another user's process (PermissionError), or one we cannot ask about: kept
         return True
     return True

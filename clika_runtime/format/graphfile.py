@@ -302,14 +302,16 @@ def too_big(model_proto: Any) -> bool:
 
 
 def existing(path: str | os.PathLike, *, folders: bool = False) -> Path:
-    """``path`` as a ``Path``, or ``GraphFileError`` when no such file exists or it is no regular
-    file (with ``folders``, a folder will do: a Triton model folder)."""
+    """``path`` as a ``Path`` (a symbolic link as the file it names), or ``GraphFileError`` when no
+    such file exists or it is no regular file (with ``folders``, a folder will do: a Triton model
+    folder)."""
     path = Path(path)
     if not path.exists():
         raise GraphFileError(f"{path}: no such file")
     if not (path.is_file() or folders and path.is_dir()):  # a device or FIFO: "no such file" would mislead
         raise GraphFileError(f"{path}: not a regular file ({kind(path)}), not an ONNX graph")
-    return path
+    # The file a link names: its external data lies beside it (``save`` writes through a link).
+    return path.resolve() if path.is_symlink() else path
 
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a regular file"), (stat.S_ISCHR, "a character device"),

@@ -53,7 +53,12 @@ def _written_through(path: Path) -> Path:
     the link: ``current.onnx`` pointing at a versioned file); ``FileExistsError`` where it names a
     FIFO, a device or a socket, which the rename would replace with a regular file."""
     if path.is_symlink():
-        path = path.resolve()
+        try:
+            path = path.resolve(strict=False)
+        except RuntimeError:  # Python before 3.13 says a loop so
+            raise OSError(f"save: {path} is a symbolic link loop: give the path of a file to write") from None
+        if path.is_symlink():  # 3.13 and later return the looping link itself
+            raise OSError(f"save: {path} is a symbolic link loop: give the path of a file to write")
     if path.exists() and not path.is_file():
         raise FileExistsError(f"save: {path} is {kind(path)}, not a regular file: give the path of a file to write")
     return path

@@ -115,8 +115,8 @@ class Lifecycle(Fallbacks):
                            "them served")
             return Eager(), None, table.generation
         table = self.table = staleness.checked(table, self.target)
-        if table.refused and not table.refused_still():  # m.float() after m.double() failed: try again
-            table = self.table = retrying_refused(table)
+        if table.refused and table.retried < config.recapture_limit and not table.refused_still():
+            table = self.table = retrying_refused(table)  # m.float() after m.double() failed: try again, a few times
         target = self.target
         try:
             call = Call(target.forms, args, kwargs, target.owner, table.knowledge, target.options)

@@ -85,6 +85,7 @@ class CacheTable:
     pending_spends: bool = False
     refused: Mapping[Any, tuple[str, str]] = field(default_factory=lambda: MappingProxyType({}))  # see above
     refused_still: Callable[[], bool] = field(default=lambda: True)  # False once the weights were converted
+    retried: int = 0  # times the refused keys were tried again (``retrying_refused``): at most the re-capture limit
     spent: tuple[str, ...] = ()
     last: Described | None = None  # the key of the last capture made (explains misses when none is cached)
     last_names: tuple[str, ...] = ()  # its graph input names
@@ -208,7 +209,7 @@ def retrying_refused(table: CacheTable) -> CacheTable:
     """``table`` with its refused keys to be tried again (the weights were converted since their
     captures failed); calls that cannot be keyed stay eager."""
     kept = {k: v for k, v in table.refused.items() if k is None}
-    return replace(table, refused=MappingProxyType(kept), refused_still=lambda: True)
+    return replace(table, refused=MappingProxyType(kept), refused_still=lambda: True, retried=table.retried + 1)
 
 
 def fallen_back(table: CacheTable, why: str) -> CacheTable:

@@ -19,6 +19,7 @@ import serving
 from clika_runtime.base.config import config
 from clika_runtime.base.precision import FP32, NON_FINITE, non_finite
 from clika_runtime.base.errors import ClikaError, GraphFileError, GraphInputError, GraphRunError, PlaceError
+from clika_runtime.base.saying import say
 from clika_runtime.base.slots import KEYWORD, MISSING, slotted
 from clika_runtime.base.specs import PlaceLike, TensorInfo, resolve_place
 from clika_runtime.format import digest, graphfile, metadata, treedesc
@@ -375,7 +376,16 @@ def _checked_file(path: str, verify_digest: bool) -> tuple[bytes | str, GraphFol
         if verify_digest:
             digest.verify(checked.data, source, path)
         return checked.data, None
-    folder = _private_copy(checked, source, path)
+    try:
+        folder = _private_copy(checked, source, path)
+    except OSError as e:  # no writable temp folder, or no room: the files where they are, said
+        say(f"clika_runtime: {path}: cannot copy the graph and its external data to the temp folder "
+            f"({type(e).__name__}: {e.strerror or e}), so it is opened where it is: a data file rewritten in "
+            "place while it serves reaches the served graph unchecked; set TMPDIR to a writable folder with "
+            "room for its weights", 4)
+        if verify_digest:
+            digest.verify(checked.data, source, path)
+        return path, None
     if verify_digest:
         digest.verify(checked.data, folder.path, path)  # the copies: what is checked is what runs
     return str(folder.model), folder
@@ -388,12 +398,14 @@ def _private_copy(checked: graphfile.Checked, source: Path, where: str) -> Graph
     folder = GraphFolder()
     for location in sorted({r.location for r in checked.contents.references}):
         target = folder.path / location
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source / location, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:  # a data file that cannot be read is the graph's fault; one that cannot be written, the temp folder's
+            data = open(source / location, "rb")
         except OSError as e:
             raise GraphFileError(f"{where}: external data location {location!r} names no file it can read "
                                  f"({type(e).__name__}: {e.strerror or e})") from e
+        with data, open(target, "wb") as copy:
+            shutil.copyfileobj(data, copy, 2**24)
     folder.model.write_bytes(checked.data)
     return folder
 

@@ -116,7 +116,7 @@ weights_unchanged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "weights_unchanged takes 8 arguments");
         return NULL;
     }
-    if (!tuples(args, 3, 8) || !PyTuple_Check(args[1]))
+    if (!tuples(args, 1, 2) || !tuples(args, 3, 8))
         return NULL;
     if (PyTuple_GET_SIZE(args[3]) != PyTuple_GET_SIZE(args[4]) || PyTuple_GET_SIZE(args[3]) != PyTuple_GET_SIZE(args[5])
         || PyTuple_GET_SIZE(args[6]) != PyTuple_GET_SIZE(args[7])) {

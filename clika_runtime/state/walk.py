@@ -43,6 +43,7 @@ _READERS = {torch.is_grad_enabled: "is_grad_enabled", torch.is_inference_mode_en
 _CALLED_DEPTH = 3  # levels of the user's functions followed from a forward, for the names they use
 _SET_UP = frozenset({"__init__", "__post_init__", "__new__", "__del__", "__repr__"})  # not run by a call
 _DEPTH = 2  # levels of attribute-carrying objects watched below a module
+_SEARCHED = 4 * COPIED  # container items read a walk past that depth, for the modules they may hold
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 _CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
          functools.partial, torch.nn.Module, torch.Tensor)
@@ -103,6 +104,7 @@ class _Walk:
     attention: bool = False  # a module whose eager answer follows ``torch.backends.mha``'s fast-path flag
     reached: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     holders: dict[int, Any] = field(default_factory=dict)  # the objects whose attributes are watched, by their dict's id
+    searched: int = 0  # container items read past the depth, for modules only
 
 
 def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]:
@@ -120,12 +122,14 @@ def _held(value: Any, name: str, walk: _Walk, depth: int = _DEPTH) -> list[Part]
             walk.reached.append((name, value))
             return _module_tree(value, name, walk)
         if isinstance(value, (list, tuple, dict)) and len(value) <= COPIED:  # a named tuple's models too
-            if id(value) in walk.seen:  # a container holding itself ends
-                return []
-            walk.seen.add(id(value))
-            items = value.items() if isinstance(value, dict) else enumerate(value)
             # Past the depth objects are no longer watched, but modules are still found (an object's
-            # dict of lists of models): their weights are baked, wherever the target finds them.
+            # dict of lists of models): their weights are baked, wherever the target finds them. That
+            # search reads at most ``_SEARCHED`` items a walk (nested lists of numbers end it).
+            if id(value) in walk.seen or (depth == 0 and walk.searched > _SEARCHED):
+                return []  # a container holding itself ends too
+            walk.seen.add(id(value))
+            walk.searched += len(value) if depth == 0 else 0
+            items = value.items() if isinstance(value, dict) else enumerate(value)
             return [part for key, item in items for part in _held(item, f"{name}.{key}", walk, max(depth - 1, 0))]
         if _wraps(value):  # a compiled function (a wrapper object): its target's state is the caller's too
             if id(value) in walk.seen:

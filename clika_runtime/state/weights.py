@@ -307,16 +307,20 @@ def converted_watch(owner: torch.nn.Module | None, target: Any) -> Callable[[], 
     an owner) the reached modules' training flags are: what may make a capture that failed succeed
     (a capture under ``set_default_dtype(torch.float64)`` failed, and the key stayed eager once
     float32 was back; a function calling a model in training mode failed on its dropout, and
-    stayed eager after ``model.eval()``: a module target keys its flag, a function's key cannot).
-    In-place writes do not count (a training-mode forward writes its buffers on every call, and a
-    new value rarely fixes a capture). It walks the modules on every call: for the eager path only."""
+    stayed eager after ``model.eval()``: a module target keys its flag, a function's key cannot;
+    the flags count only where one was set, so a refusal made in eval mode is not tried again on
+    every switch). In-place writes do not count (a training-mode forward writes its buffers on
+    every call, and a new value rarely fixes a capture). It reads every tensor's layout on every
+    call: for the eager path only (the caller bounds how often it tries again)."""
+
+    # The reached models as they are now (walked once: a rebound variable is the state watch's to see).
+    modules = [] if owner is not None else [m for _, reached in modules_reached(target, None) for m in reached.modules()]
+    trained = any(m.training for m in modules)  # refused in train mode: a flag back may let it capture
 
     def layouts() -> tuple:
-        modules = [] if owner is not None else [m for _, reached in modules_reached(target, None)
-                                                 for m in reached.modules()]
         tensors = [*owner.parameters(), *owner.buffers()] if owner is not None else \
             [t for m in modules for t in itertools.chain(m.parameters(False), m.buffers(False))]
-        return (torch.get_default_dtype(), tuple(m.training for m in modules),
+        return (torch.get_default_dtype(), tuple(m.training for m in modules) if trained else (),
                 *map(_layout, tensors + [t for _, t in closure_tensors(target)]))
 
     before = layouts()
