@@ -186,7 +186,8 @@ def measure(name: str, reference: Any, got: Any) -> Measured:
         raise ValueError(f"output '{name}': shape {out.shape}, reference {ref.shape}")
     if not np.issubdtype(ref.dtype, np.floating) and not np.issubdtype(ref.dtype, np.complexfloating):
         differing = int(np.count_nonzero(ref != out))
-        return Measured(name, exact=not differing, differing=differing or None, size=int(ref.size) if differing else None)
+        return Measured(name, exact=not differing, differing=differing or None,
+                        size=int(ref.size) if differing else None)
     top1 = 1.0 if name.startswith(CACHE_OUTPUTS) else _top1(ref, out)
     ref, out = ref.astype(np.float64).reshape(-1), out.astype(np.float64).reshape(-1)
     finite = np.isfinite(ref)

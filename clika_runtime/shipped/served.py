@@ -132,7 +132,7 @@ class ServedGraph:
         try:
             at = non_finite(self._precision, feeds)
         except Exception:  # an int8 graph's reduction of a tensor that holds no values here (meta, sparse)
-            self._refuse_tensors(feeds)
+            _refuse_tensors(self.input_names, self._devices(), feeds)
             raise
         if at is not None:  # no eager here to answer instead: an error, not numbers that hide it
             raise GraphInputError(f"input '{self.input_names[at]}' {NON_FINITE}; serve the fp32 graph for such inputs")
@@ -148,7 +148,7 @@ class ServedGraph:
             raise
         except Exception as e:  # onnxruntime's own types (Fail, InvalidArgument, ...), none a ClikaError
             if not is_torch:  # a tensor subclass defined outside torch went the numpy way: say so
-                self._refuse_tensors(feeds)
+                _refuse_tensors(self.input_names, self._devices(), feeds)
             raise GraphRunError(f"{self._where}: onnxruntime failed running the graph: {e}") from e
 
     def _feeds(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -211,56 +211,63 @@ class ServedGraph:
 
     def _run_torch(self, feeds: Sequence[Any]) -> list[Any]:
         """Run the torch runner. The usual tensor passes on its exact type and one attribute (on its
-        place's device); anything else is looked at closely (``_tensor``)."""
+        place's device); anything else is looked at closely (``_looked_at``)."""
         import torch
 
         if self._torch is None:
             dtypes = [v.dtype for v in feeds] + [o.dtype for o in self._declared[1]]
             self._torch = serving.TorchRunner(self._session, self._place, self.input_names, self.output_names, dtypes)
             self._dlpack = self._torch.path == "dlpack"
-        plain, on = torch.Tensor, self._on_place
-        tensors = [v if type(v) is plain and getattr(v, on) else self._tensor(at, v) for at, v in enumerate(feeds)]
+        plain, on, names = torch.Tensor, self._on_place, self.input_names
+        tensors = [v if type(v) is plain and getattr(v, on) else _looked_at(names, self._devices(), at, v)
+                   for at, v in enumerate(feeds)]
         if self._dlpack:  # DLPack carries no negative bit: a contiguous neg view would be read un-negated
             tensors = [t.resolve_neg() for t in tensors]
         try:
             return self._torch.run(tensors)
         except Exception:
-            resolved = self._resolved(tensors)
+            resolved = _resolved(names, self._devices(), tensors)
             if resolved is None:
                 raise
         return self._torch.run(resolved)
 
-    def _tensor(self, at: int, value: Any) -> Any:
-        """One feed looked at closely: an array as a tensor, a negative view resolved (a copy, with
-        its values), and a tensor the runner would misread or fail on (another device, a sparse or
-        other layout, a subclass) refused with ``GraphInputError`` naming the input."""
-        import torch
+    def _devices(self) -> tuple[str, ...]:
+        """The devices a tensor fed to the torch runner may be on (DLPack moves a CUDA tensor to the CPU)."""
+        return ("cpu", "cuda") if self._place.device == "cuda" or self._dlpack else ("cpu",)
 
-        if not isinstance(value, torch.Tensor):
-            return torch.as_tensor(value)  # a numpy array among tensors
-        devices = ("cpu", "cuda") if self._place.device == "cuda" or self._dlpack else ("cpu",)  # DLPack moves them
-        got = _unusual_tensor(value, devices, torch)
-        if got is not None:
-            raise GraphInputError(f"input '{self.input_names[at]}': expected a dense strided torch.Tensor on "
-                                  f"{' or '.join(devices)}, got {got}")
-        return value.resolve_neg()
 
-    def _refuse_tensors(self, feeds: Sequence[Any]) -> None:
-        """``GraphInputError`` for the first tensor ``_tensor`` refuses among ``feeds``."""
-        torch = sys.modules.get("torch")
-        if torch is None:  # no tensor without torch: a torch-free box must not import it here
-            return
-        for at, value in enumerate(feeds):
-            if isinstance(value, torch.Tensor):
-                self._tensor(at, value)
+def _looked_at(names: Sequence[str], devices: Sequence[str], at: int, value: Any) -> Any:
+    """One feed looked at closely: an array as a tensor, a negative view resolved (a copy, with its
+    values), and a tensor the runner would misread or fail on (another device, a sparse or other
+    layout, a subclass) refused with ``GraphInputError`` naming the input."""
+    import torch
 
-    def _resolved(self, tensors: list[Any]) -> list[Any] | None:
-        """After a failed run: what the one-attribute look lets by on the CPU (a sparse tensor, a
-        neg view) fails the runner's numpy view, pointer or DLPack before onnxruntime reads it, and
-        is looked at only now, so that plain tensors pay nothing. Neg views come back resolved (to
-        run again), anything else ``_tensor`` refuses; ``None`` when nothing changes."""
-        resolved = [self._tensor(at, t) for at, t in enumerate(tensors)]
-        return None if all(r is t for r, t in zip(resolved, tensors)) else resolved
+    if not isinstance(value, torch.Tensor):
+        return torch.as_tensor(value)  # a numpy array among tensors
+    got = _unusual_tensor(value, devices, torch)
+    if got is not None:
+        raise GraphInputError(f"input '{names[at]}': expected a dense strided torch.Tensor on "
+                              f"{' or '.join(devices)}, got {got}")
+    return value.resolve_neg()
+
+
+def _refuse_tensors(names: Sequence[str], devices: Sequence[str], feeds: Sequence[Any]) -> None:
+    """``GraphInputError`` for the first tensor ``_looked_at`` refuses among ``feeds``."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # no tensor without torch: a torch-free box must not import it here
+        return
+    for at, value in enumerate(feeds):
+        if isinstance(value, torch.Tensor):
+            _looked_at(names, devices, at, value)
+
+
+def _resolved(names: Sequence[str], devices: Sequence[str], tensors: list[Any]) -> list[Any] | None:
+    """After a failed run: what the one-attribute look lets by on the CPU (a sparse tensor, a neg
+    view) fails the runner's numpy view, pointer or DLPack before onnxruntime reads it, and is
+    looked at only now, so that plain tensors pay nothing. Neg views come back resolved (to run
+    again), anything else ``_looked_at`` refuses; ``None`` when nothing changes."""
+    resolved = [_looked_at(names, devices, at, t) for at, t in enumerate(tensors)]
+    return None if all(r is t for r, t in zip(resolved, tensors)) else resolved
 
 
 def _unusual_tensor(value: Any, devices: Sequence[str], torch: Any) -> str | None:

@@ -254,7 +254,8 @@ def _callable(fn: Any, walk: _Walk) -> list[Part]:
         held, name = (None if hasattr(fn, "__wrapped__") else fn), "the callable object"
     if isinstance(held, type):  # a class method: the class's body (``cls.MODEL``)
         parts += _class_bodies(held, walk)
-    elif held is not None and not isinstance(held, _CODE + _CONTAINERS) and isinstance(getattr(held, "__dict__", None), dict):
+    elif held is not None and not isinstance(held, _CODE + _CONTAINERS) \
+            and isinstance(getattr(held, "__dict__", None), dict):
         parts += _objects(held, name, walk, _DEPTH)
     if held is not None and _safely(lambda: ours(type(held))):  # a callable object: __call__ and what it calls
         walk.names |= _method_names(type(held), None, walk.code_seen)

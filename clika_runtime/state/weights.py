@@ -314,7 +314,8 @@ def converted_watch(owner: torch.nn.Module | None, target: Any) -> Callable[[], 
     call: for the eager path only (the caller bounds how often it tries again)."""
 
     # The reached models as they are now (walked once: a rebound variable is the state watch's to see).
-    modules = [] if owner is not None else [m for _, reached in modules_reached(target, None) for m in reached.modules()]
+    modules = [] if owner is not None else \
+        [m for _, reached in modules_reached(target, None) for m in reached.modules()]
     trained = any(m.training for m in modules)  # refused in train mode: a flag back may let it capture
 
     def layouts() -> tuple:
