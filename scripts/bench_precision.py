@@ -1,6 +1,7 @@
 """Precision: reduced-precision serving against what a user would pick instead, one process per model.
 
-    python scripts/bench_precision.py [--models bert_base roberta_base cnn] [--rounds 7] [--threads 2] [--block-s 0]
+    python scripts/bench_precision.py [--models bert_base roberta_base electra_base distilbert_base cnn]
+                                      [--rounds 7] [--threads 2] [--block-s 0]
                                       [--optimum DIR] [--save-models DIR]
 
 For each model (random weights from its default config): eager fp32, eager under bf16 autocast,
@@ -51,6 +52,21 @@ def roberta_base() -> torch.nn.Module:
     return RobertaModel(RobertaConfig(max_position_embeddings=514))  # roberta-base's: positions start at 2
 
 
+def electra_base() -> torch.nn.Module:
+    """ELECTRA-base's discriminator encoder: not used by the tests (issue 24's own check)."""
+    from transformers import ElectraConfig, ElectraModel
+
+    return ElectraModel(ElectraConfig(embedding_size=768, hidden_size=768, num_hidden_layers=12,
+                                      num_attention_heads=12, intermediate_size=3072))
+
+
+def distilbert_base() -> torch.nn.Module:
+    """DistilBERT-base: six layers, no token types (not used by the tests)."""
+    from transformers import DistilBertConfig, DistilBertModel
+
+    return DistilBertModel(DistilBertConfig())
+
+
 class SmallCNN(torch.nn.Module):
     """Three conv blocks and a linear head over 64x64 images."""
 
@@ -68,7 +84,9 @@ class SmallCNN(torch.nn.Module):
         return self.head(self.features(x))
 
 
-MODELS: dict[str, Callable[[], torch.nn.Module]] = {"bert_base": bert_base, "roberta_base": roberta_base, "cnn": SmallCNN}
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {"bert_base": bert_base, "roberta_base": roberta_base,
+                                                    "electra_base": electra_base, "distilbert_base": distilbert_base,
+                                                    "cnn": SmallCNN}
 
 
 def inputs_for(name: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -172,7 +190,7 @@ def bench(name: str, rounds: int, optimum: Path | None, threads: int, block_s: f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=["bert_base", "roberta_base", "cnn"], choices=list(MODELS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-s", type=float, default=0.0,
