@@ -436,6 +436,10 @@ def test_trap_loaded_graph_refuses_meta_sparse_and_subclass_tensors_by_name(tmp_
         with pytest.raises(GraphInputError, match=rf"input '{name}': expected a dense strided torch.Tensor on cpu.*, "
                                                   rf"got {re.escape(got)}"):
             served(bad)
+    for layout in (torch.strided, torch.jagged):
+        nested = torch.nested.nested_tensor([x[0], x[1]], layout=layout)
+        with pytest.raises(GraphInputError, match=rf"input '{name}'"):  # by its layout, or its ragged size
+            served(nested)  # it raised the guard's RuntimeError ("NestedTensorImpl doesn't support sizes")
     torch.testing.assert_close(served(torch.nn.Parameter(x)), served(x))  # a Parameter is a plain tensor
 
 

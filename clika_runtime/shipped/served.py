@@ -123,7 +123,11 @@ class ServedGraph:
 
     def _checked_run(self, feeds: list[Any]) -> list[Any]:
         """Check the feeds (in input order) against the guard, then run; outputs in output order."""
-        problem = self._guard.check(feeds)
+        try:
+            problem = self._guard.check(feeds)
+        except RuntimeError:  # a tensor whose sizes torch will not give (a nested one): named if it is one
+            _refuse_tensors(self.input_names, self._devices(), feeds)
+            raise
         if problem is not None and problem.kind == "byteorder":  # native arrays never get here (see _native)
             feeds = _native(feeds)
             problem = self._guard.check(feeds)
@@ -274,6 +278,8 @@ def _unusual_tensor(value: Any, devices: Sequence[str], torch: Any) -> str | Non
     """What ``value`` is, when it is not a dense strided tensor on one of ``devices``; else None."""
     if type(value) not in (torch.Tensor, torch.nn.Parameter):  # a subclass may hold no storage of its own
         return f"a {type(value).__name__} (a torch.Tensor subclass)"
+    if value.is_nested:
+        return "a nested tensor"
     if value.layout is not torch.strided:
         return f"a {value.layout} tensor"
     if value.device.type not in devices:
