@@ -112,7 +112,9 @@ _FORK_DURING_EXPORT = textwrap.dedent("""
     assert tracing.wait(60)
     child = os.fork()
     if child == 0:
-        faulthandler.dump_traceback_later(20, exit=True)  # a stuck child ends here, saying where
+        # A stuck child ends here, saying where; its capture sleeps in each trace, which on a loaded
+        # machine took past 20 s once (the stack showed the capture still in progress).
+        faulthandler.dump_traceback_later(120, exit=True)
         with torch.no_grad():
             plain, served = model(x), f(x)
         ok = torch.equal(plain, model.fc(x)) and torch.allclose(served, plain, atol=1e-6)

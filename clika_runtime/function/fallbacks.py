@@ -163,8 +163,7 @@ class Fallbacks:
                 said = f"refused {key}{at}: {why}"
                 if said not in self._warned:  # once: a key tried again (``converted_watch``) may fail alike each epoch
                     self._warned.add(said)
-                    again = "its weights change dtype or device" if self.target.owner is not None else \
-                        "the models it calls change dtype, device or train/eval mode"
+                    again = _tried_again(self.target)
                     say(f"clika_runtime: {name} serves eagerly until reset(), for calls with the key ({key}){at}: "
                         f"{why}; {others}; tried again once {again}", _user_level())
         return result()
@@ -251,3 +250,12 @@ def _user_level() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith(("clika_runtime", "torch.")):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _tried_again(target: Target) -> str:
+    """When a refused key is tried again (``weights.converted_watch``), in words."""
+    if target.owner is not None:
+        return "its weights change dtype or device"
+    if weights.modules_reached(target.fn, None):
+        return "the models it calls change dtype, device or train/eval mode"
+    return "the tensors it reads change dtype or device, or the default dtype does"
