@@ -112,8 +112,8 @@ _FORK_DURING_EXPORT = textwrap.dedent("""
     assert tracing.wait(60)
     child = os.fork()
     if child == 0:
-        # A stuck child ends here, saying where; its capture sleeps in each trace, which on a loaded
-        # machine took past 20 s once (the stack showed the capture still in progress).
+        # A stuck child ends here, saying where. Its capture sleeps in each trace: at 20 s, one full
+        # run under load ended the child inside the compiled call (slow or hung: its stack did not say).
         faulthandler.dump_traceback_later(120, exit=True)
         with torch.no_grad():
             plain, served = model(x), f(x)
