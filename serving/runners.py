@@ -170,8 +170,8 @@ def _numpy_path(session: ort.InferenceSession, names: tuple, outputs: list, torc
     def run(tensors: Sequence[Any]) -> list[Any]:
         try:
             feed = {name: t.numpy() for name, t in zip(names, tensors)}
-        except RuntimeError:  # a tensor that requires grad (served under no_grad / inference)
-            feed = {name: t.detach().numpy() for name, t in zip(names, tensors)}
+        except RuntimeError:  # a tensor that requires grad (served under no_grad / inference), a negative view
+            feed = {name: t.detach().resolve_neg().numpy() for name, t in zip(names, tensors)}
         return [from_numpy(a) for a in raw(outputs, feed, options)]
 
     return run
@@ -189,7 +189,7 @@ def _dlpack_path(
     def run(tensors: Sequence[Any]) -> list[Any]:
         binding = session.io_binding()
         for name, t in zip(names, tensors):
-            t = t.detach()
+            t = t.detach().resolve_neg()  # DLPack carries no negative bit: the view would be read un-negated
             if t.device != device:
                 t = t.to(device)
             binding.bind_ortvalue_input(name, _ortvalue_from_torch(t.contiguous()))

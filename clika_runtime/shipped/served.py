@@ -225,15 +225,11 @@ class ServedGraph:
         plain, on, names = torch.Tensor, self._on_place, self.input_names
         tensors = [v if type(v) is plain and getattr(v, on) else _looked_at(names, self._devices(), at, v)
                    for at, v in enumerate(feeds)]
-        if self._dlpack:  # DLPack carries no negative bit: a contiguous neg view would be read un-negated
-            tensors = [t.resolve_neg() for t in tensors]
         try:
-            return self._torch.run(tensors)
-        except Exception:
-            resolved = _resolved(names, self._devices(), tensors)
-            if resolved is None:
-                raise
-        return self._torch.run(resolved)
+            return self._torch.run(tensors)  # the runners resolve negative views themselves
+        except Exception:  # a sparse tensor on the CPU passes the one-attribute look: refused here, by name
+            _refuse_tensors(names, self._devices(), tensors)
+            raise
 
     def _devices(self) -> tuple[str, ...]:
         """The devices a tensor fed to the torch runner may be on (DLPack moves a CUDA tensor to the CPU)."""
@@ -241,9 +237,9 @@ class ServedGraph:
 
 
 def _looked_at(names: Sequence[str], devices: Sequence[str], at: int, value: Any) -> Any:
-    """One feed looked at closely: an array as a tensor, a negative view resolved (a copy, with its
-    values), and a tensor the runner would misread or fail on (another device, a sparse or other
-    layout, a subclass) refused with ``GraphInputError`` naming the input."""
+    """One feed looked at closely: an array as a tensor, and a tensor the runner would misread or
+    fail on (another device, a sparse, nested or other layout, a subclass) refused with
+    ``GraphInputError`` naming the input."""
     import torch
 
     if not isinstance(value, torch.Tensor):
@@ -252,7 +248,7 @@ def _looked_at(names: Sequence[str], devices: Sequence[str], at: int, value: Any
     if got is not None:
         raise GraphInputError(f"input '{names[at]}': expected a dense strided torch.Tensor on "
                               f"{' or '.join(devices)}, got {got}")
-    return value.resolve_neg()
+    return value
 
 
 def _refuse_tensors(names: Sequence[str], devices: Sequence[str], feeds: Sequence[Any]) -> None:
@@ -263,15 +259,6 @@ def _refuse_tensors(names: Sequence[str], devices: Sequence[str], feeds: Sequenc
     for at, value in enumerate(feeds):
         if isinstance(value, torch.Tensor):
             _looked_at(names, devices, at, value)
-
-
-def _resolved(names: Sequence[str], devices: Sequence[str], tensors: list[Any]) -> list[Any] | None:
-    """After a failed run: what the one-attribute look lets by on the CPU (a sparse tensor, a neg
-    view) fails the runner's numpy view, pointer or DLPack before onnxruntime reads it, and is
-    looked at only now, so that plain tensors pay nothing. Neg views come back resolved (to run
-    again), anything else ``_looked_at`` refuses; ``None`` when nothing changes."""
-    resolved = [_looked_at(names, devices, at, t) for at, t in enumerate(tensors)]
-    return None if all(r is t for r, t in zip(resolved, tensors)) else resolved
 
 
 def _unusual_tensor(value: Any, devices: Sequence[str], torch: Any) -> str | None:

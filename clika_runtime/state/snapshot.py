@@ -29,7 +29,6 @@ from clika_runtime.state.unchanged import state_unchanged
 from clika_runtime.state.walk import filled, parts_read
 
 
-
 class Snapshot:
     """The state of a target at capture. Immutable; ``fresh()`` is the hot path's check."""
 

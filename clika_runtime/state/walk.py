@@ -290,7 +290,6 @@ def _defaults(fn: types.FunctionType) -> list[tuple[str, Any]]:
     return found + list((fn.__kwdefaults__ or {}).items())
 
 
-
 def _globals(fn: types.FunctionType, walk: _Walk, depth: int = _CALLED_DEPTH) -> list[Part]:
     """The globals ``fn``'s code names (modules aside: ``torch``, ``F``) and what they hold; and
     those of the user's functions it calls, ``depth`` calls down (named as globals or closed
